@@ -1,0 +1,133 @@
+"""Frozen configuration dataclasses: model architecture, engine and sampling.
+
+Model dimensions follow the published configs of each model family. Everything here
+is hashable so a config can be a static argument of a jitted function.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer (Llama / Qwen3 families)."""
+  name: str
+  family: str  # "llama" | "qwen3"
+  vocab_size: int
+  hidden_size: int  # D
+  intermediate_size: int  # F
+  num_layers: int
+  num_heads: int  # N (query heads)
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  rope_theta: float
+  rms_norm_eps: float
+  tie_embeddings: bool
+  max_position: int
+  qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+  bos_token_id: Optional[int] = None
+  eos_token_ids: Tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.family not in ("llama", "qwen3"):
+      raise ValueError(f"unknown model family {self.family!r}; supported: llama, qwen3")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  # --- sizes derived from the config (8.1, 8.2.1); never typed in -------------------
+  def layer_param_count(self) -> int:
+    d, n, k, h, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.intermediate_size)
+    attn = d * n * h + 2 * d * k * h + n * h * d
+    mlp = 3 * d * f
+    norms = 2 * d + (2 * h if self.qk_norm else 0)
+    return attn + mlp + norms
+
+  def param_count(self) -> int:
+    emb = self.vocab_size * self.hidden_size
+    head = 0 if self.tie_embeddings else emb
+    return emb + head + self.num_layers * self.layer_param_count() + self.hidden_size
+
+  def weight_bytes(self, bytes_per_param: float = 2.0) -> int:
+    """Total stored weight bytes (SPEC reference data: Qwen3-8B bf16 = 16,381,470,720)."""
+    return int(self.param_count() * bytes_per_param)
+
+  def weight_bytes_read_per_step(self, bytes_per_param: float = 2.0) -> int:
+    """D_w (8.2.1): matrix weights one step reads; the embedding table is only looked up.
+
+    With tied embeddings the table doubles as the LM head and is read whole.
+    """
+    emb = self.vocab_size * self.hidden_size
+    read = self.param_count() - (0 if self.tie_embeddings else emb)
+    return int(read * bytes_per_param)
+
+  def flops_per_token(self) -> int:
+    """Matmul FLOPs per token, excluding attention over context (2 per MAC)."""
+    return 2 * (self.num_layers * self.layer_param_count() + self.vocab_size * self.hidden_size)
+
+  def attention_flops_per_pair(self) -> int:
+    """FLOPs per causal (query, key) pair summed over layers: QK^T and PV."""
+    return 4 * self.num_layers * self.num_heads * self.head_dim
+
+
+SMOLLM2_135M = ModelConfig(
+    name="smollm2-135m-instruct", family="llama", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_embeddings=True, max_position=8192,
+    bos_token_id=1, eos_token_ids=(2,))
+
+QWEN3_0_6B = ModelConfig(
+    name="qwen3-0.6b", family="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True, max_position=40960,
+    qk_norm=True, bos_token_id=151643, eos_token_ids=(151645, 151643))
+
+QWEN3_8B = ModelConfig(
+    name="qwen3-8b", family="qwen3", vocab_size=151936, hidden_size=4096,
+    intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=False, max_position=40960,
+    qk_norm=True, bos_token_id=151643, eos_token_ids=(151645, 151643))
+
+MODEL_CONFIGS = {c.name: c for c in (SMOLLM2_135M, QWEN3_0_6B, QWEN3_8B)}
+
+
+def get_model_config(name: str) -> ModelConfig:
+  try:
+    return MODEL_CONFIGS[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown model {name!r}; known models: {sorted(MODEL_CONFIGS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling parameters (travel to the device as arrays)."""
+  temperature: float = 0.0  # 0 = greedy
+  top_k: int = 0  # 0 = off
+  top_p: float = 1.0
+  seed: Optional[int] = None
+  max_tokens: int = 64
+  stop_token_ids: Tuple[int, ...] = ()
+  stop: Tuple[str, ...] = ()  # stop strings
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+    object.__setattr__(self, "stop", tuple(self.stop))

@@ -1,0 +1,1 @@
+"""Executors behind one interface: JaxExecutor (real model), SimExecutor (virtual clock)."""

@@ -1,0 +1,73 @@
+"""JaxExecutor: runs packed steps on the jitted model, owning the donated KV pool."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import attention
+from jaxinfer.buckets import Bucket, BucketTable
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv import allocate_pool
+from jaxinfer.runtime.batcher import StepInput
+from jaxinfer.step import copy_pages_jit, model_step
+
+log = logging.getLogger(__name__)
+
+
+class JaxExecutor:
+
+  def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
+               kv_format: str = "f32", backend: str = "reference"):
+    self.cfg = cfg
+    self.params = params
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.kv_format = kv_format
+    self.backend = attention.check_backend(backend)
+    self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
+
+  def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:
+    """Copy-on-write page copies, done before the step that writes the copies."""
+    if not copies:
+      return
+    n = 1 << (len(copies) - 1).bit_length()  # pad to a power of two: few shapes
+    src = np.array([c[0] for c in copies] + [copies[0][0]] * (n - len(copies)), np.int32)
+    dst = np.array([c[1] for c in copies] + [copies[0][1]] * (n - len(copies)), np.int32)
+    self.pool = copy_pages_jit(self.pool, src, dst)
+
+  def run(self, step: StepInput, return_logits: bool = False):
+    """Returns packed [S, 2] float32 numpy (token id, logprob) rows (and logits)."""
+    out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+                                max_query_len=step.bucket.max_query_len, backend=self.backend,
+                                return_logits=return_logits)
+    if return_logits:
+      packed, logits = out
+      return np.asarray(packed), np.asarray(logits)
+    return np.asarray(out)
+
+  def warmup(self, buckets: Sequence[Bucket]) -> float:
+    """Compile every given bucket ahead of time; returns seconds spent."""
+    t0 = time.perf_counter()
+    for b in buckets:
+      arrays = dummy_inputs(b, self.num_pages)
+      _, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
+                                max_query_len=b.max_query_len, backend=self.backend,
+                                return_logits=False)
+    jax.block_until_ready(self.pool)
+    return time.perf_counter() - t0
+
+
+def dummy_inputs(b: Bucket, num_pages: int):
+  """All-padding inputs of a bucket's shape (writes nothing: pages = num_pages)."""
+  T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
+  z = lambda *s: np.zeros(s, np.int32)
+  return dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
+              write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
+              cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
+              top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
+              counter=z(S))

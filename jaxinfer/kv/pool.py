@@ -1,0 +1,108 @@
+"""The paged KV pool as a pytree of device arrays, in any KV format (8.3.1, 8.4.2).
+
+Layout, one array per component, layer-major so a step writes every layer once:
+  k, v         [L, P, page_size, K, Hc]   codes (see pallas_kernels.kv_codec)
+  k_gs, v_gs   [L, P, page_size, K, H/32] uint16 fp16 group scales (q8_0, q4_0)
+  k_ps, v_ps   [L, P, K] float32          page scales (fp8)
+Pools are allocated with zeros (jnp.empty is uninitialized on jax 0.11, JAX-FACTS.md);
+attention masks stale positions, so a page's old contents never matter.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from pallas_kernels import kv_codec
+from pallas_kernels.kv_codec import KVFormat, gather_pages, get_format, pool_format
+
+KVPool = Dict[str, jax.Array]
+
+
+def bytes_per_token(cfg: ModelConfig, kv_format: str = "bf16", page_size: int = 16) -> float:
+  """k of 8.1: 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
+
+  fp8's per-page-per-head f32 scale adds 2 x L x K x 4 / page_size bytes per token.
+  Qwen3-8B bf16: 147,456 B; q8_0 and q4_0 are 34/64 and 18/64 of that.
+  """
+  fmt = get_format(kv_format)
+  kv_codec.check_head_dim(fmt, cfg.head_dim)
+  per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * fmt.bytes_per_value()
+  if fmt.page_scales:
+    per_token += 2 * cfg.num_layers * cfg.num_kv_heads * 4 / page_size
+  return per_token
+
+
+def pool_bytes(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int) -> int:
+  return int(round(bytes_per_token(cfg, kv_format, page_size) * num_pages * page_size))
+
+
+def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int) -> KVPool:
+  fmt = get_format(kv_format)
+  kv_codec.check_head_dim(fmt, cfg.head_dim)
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  shape = (L, num_pages, page_size, K, fmt.code_dim(H))
+  pool = {"k": jnp.zeros(shape, fmt.code_dtype), "v": jnp.zeros(shape, fmt.code_dtype)}
+  if fmt.group_scales:
+    gs = (L, num_pages, page_size, K, fmt.scale_dim(H))
+    pool["k_gs"] = jnp.zeros(gs, jnp.uint16)
+    pool["v_gs"] = jnp.zeros(gs, jnp.uint16)
+  if fmt.page_scales:
+    pool["k_ps"] = jnp.zeros((L, num_pages, K), jnp.float32)
+    pool["v_ps"] = jnp.zeros((L, num_pages, K), jnp.float32)
+  return pool
+
+
+def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
+  """Write x [L, T, K, H] at (page_ids[t], offsets[t]); out-of-range pages are dropped."""
+  codes = pool[name]
+  L = codes.shape[0]
+  num_pages, page_size = codes.shape[1], codes.shape[2]
+  lidx = jnp.arange(L)[:, None]
+  p = page_ids[None, :]
+  o = offsets[None, :]
+  if fmt.page_scales:
+    ps_name = name + "_ps"
+    scales = pool[ps_name]  # [L, P, K]
+    # A token at offset 0 starts a fresh page: forget the scale of the page's last owner.
+    fresh = jnp.where(offsets == 0, page_ids, num_pages)
+    scales = scales.at[lidx, fresh[None, :]].set(0.0, mode="drop")
+    old = scales
+    need = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / kv_codec.FP8_MAX  # [L, T, K]
+    scales = scales.at[lidx, p].max(need, mode="drop")
+    # Re-encode the touched pages' existing codes where the scale grew (same value for
+    # duplicates, so the scatter is deterministic), then write the new tokens over them.
+    pc = jnp.clip(page_ids, 0, num_pages - 1)
+    ratio = old[:, pc] / jnp.where(scales[:, pc] > 0, scales[:, pc], 1.0)  # [L, T, K]
+    page_codes = codes[:, pc]  # [L, T, page, K, H]
+    rescaled = kv_codec.quantize_fp8(
+        kv_codec.dequantize_fp8(page_codes, ratio[:, :, None, :, None]), 1.0)
+    codes = codes.at[lidx, p].set(rescaled, mode="drop")
+    new = kv_codec.quantize_fp8(x, scales[:, pc][..., None])
+    pool[name] = codes.at[lidx, p, o].set(new, mode="drop")
+    pool[ps_name] = scales
+    return
+  c, s = kv_codec.encode(fmt, x)
+  pool[name] = codes.at[lidx, p, o].set(c, mode="drop")
+  if s is not None:
+    pool[name + "_gs"] = pool[name + "_gs"].at[lidx, p, o].set(s, mode="drop")
+
+
+def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
+  """Store new tokens' K/V [L, T, K, H] at pages/offsets [T] (page id >= num_pages: skip).
+
+  One scatter per component per step, into the donated pool (JAX-FACTS.md: writing a
+  stacked pool from every layer copies it; writing once per step does not).
+  """
+  fmt = get_format(pool_format(pool))
+  pool = dict(pool)
+  _write_one(pool, "k", fmt, k, page_ids, offsets)
+  _write_one(pool, "v", fmt, v, page_ids, offsets)
+  return pool
+
+
+def copy_pages(pool: KVPool, src, dst) -> KVPool:
+  """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write, 8.3.2)."""
+  return {name: a.at[:, dst].set(a[:, src]) for name, a in pool.items()}

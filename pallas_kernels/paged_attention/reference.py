@@ -1,0 +1,78 @@
+"""jnp reference of ragged paged attention; also the model's CPU backend.
+
+A packed step holds, for each of R request slots, query_len[r] new tokens that sit at
+flat offsets query_start[r] .. +query_len[r] of the token array, following cached_len[r]
+tokens already stored in the request's pages. Each new token attends to every cached
+token of its request (8.3.1 paging) and causally to the new tokens of its request
+before it. The new tokens' K/V are passed in directly (the pool is written once per
+step, after all layers).
+
+Shapes: T flat tokens, R request slots, Q = max query tokens per request (static),
+N query heads, K KV heads, G = N / K, H head dim, S = pages per request x page size.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_codec
+
+_NEG = -1e30
+
+
+def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
+                           cached_len, *, max_query_len: int, sm_scale=None):
+  """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
+
+  pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.
+  page_table [R, Pmax] int32; query_start, query_len, cached_len [R] int32.
+  Tokens not covered by any request (padding) get zeros.
+  """
+  T, N, H = q.shape
+  K = k_new.shape[1]
+  G = N // K
+  R = page_table.shape[0]
+  Q = max_query_len
+  scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
+  cdt = jnp.float32
+
+  # Gather each request's queries and new K/V into [R, Q, ...].
+  qpos = jnp.arange(Q, dtype=jnp.int32)
+  qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
+  qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
+  qr = q[qidx].astype(cdt).reshape(R, Q, K, G, H) * scale  # [R, Q, K, G, H]
+  kn = k_new[qidx].astype(cdt)  # [R, Q, K, H]
+  vn = jnp.where(qvalid[..., None, None], v_new[qidx].astype(cdt), 0.0)
+
+  kc, vc = kv_codec.gather_pages(pool, layer, page_table, cdt)  # [R, S, K, H]
+  S = kc.shape[1]
+  cvalid = jnp.arange(S, dtype=jnp.int32)[None, :] < cached_len[:, None]  # [R, S]
+  vc = jnp.where(cvalid[..., None, None], vc, 0.0)  # stale pages may hold NaN
+
+  if Q == 1:  # decode: multiply-and-reduce beats tiny batched dots on XLA:CPU
+    s_c = jnp.sum(qr[:, 0, :, :, None, :] * kc.transpose(0, 2, 1, 3)[:, :, None], axis=-1)
+    s_c = s_c[:, None]  # [R, 1, K, G, S]
+  else:
+    s_c = jnp.einsum("rqkgh,rskh->rqkgs", qr, kc)
+  s_n = jnp.einsum("rqkgh,rjkh->rqkgj", qr, kn)  # [R, Q, K, G, Q]
+  m_c = cvalid[:, None, None, None, :]
+  m_n = (qpos[None, :, None] >= qpos[None, None, :]) & qvalid[:, None, :]  # [R, Q, Q]
+  m_n = m_n[:, :, None, None, :]
+  s_c = jnp.where(m_c, s_c, _NEG)
+  s_n = jnp.where(m_n, s_n, _NEG)
+  m = jnp.maximum(jnp.max(s_c, axis=-1), jnp.max(s_n, axis=-1))[..., None]
+  p_c = jnp.where(m_c, jnp.exp(s_c - m), 0.0)
+  p_n = jnp.where(m_n, jnp.exp(s_n - m), 0.0)
+  denom = jnp.sum(p_c, axis=-1) + jnp.sum(p_n, axis=-1)  # [R, Q, K, G]
+  if Q == 1:
+    o = jnp.sum(p_c[:, 0, :, :, :, None] * vc.transpose(0, 2, 1, 3)[:, :, None], axis=-2)[:, None]
+  else:
+    o = jnp.einsum("rqkgs,rskh->rqkgh", p_c, vc)
+  o = o + jnp.einsum("rqkgj,rjkh->rqkgh", p_n, vn)
+  o = o / jnp.maximum(denom, 1e-30)[..., None]
+  o = o.reshape(R, Q, N, H)
+
+  # Scatter back to the flat token order; padding tokens stay zero.
+  flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
+  out = jnp.zeros((T, N, H), cdt).at[flat].set(o, mode="drop")
+  return out
