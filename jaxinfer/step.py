@@ -6,7 +6,7 @@ per step or per request is an array of a bucket shape, so a warm step never retr
 """
 from __future__ import annotations
 
-import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +36,13 @@ def copy_pages_step(pool, src, dst):
 
 
 copy_pages_jit = jax.jit(copy_pages_step, donate_argnums=(0,))
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+  """Persist compiled executables across processes (JAX-FACTS.md: 11.3 s -> 2.4 s)."""
+  path = path or os.environ.get("JAXINFER_XLA_CACHE") or os.path.join(
+      os.path.expanduser("~"), ".cache", "jaxinfer", "xla")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path

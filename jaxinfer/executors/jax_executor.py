@@ -14,7 +14,7 @@ from jaxinfer.buckets import Bucket, BucketTable
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.runtime.batcher import StepInput
-from jaxinfer.step import copy_pages_jit, model_step
+from jaxinfer.step import copy_pages_jit, enable_compilation_cache, model_step
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class JaxExecutor:
     self.page_size = page_size
     self.kv_format = kv_format
     self.backend = attention.check_backend(backend)
+    enable_compilation_cache()
     self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:

@@ -100,7 +100,11 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
   elif os.path.isdir(path):
     raw, cfg = safetensors_loader.load_safetensors_dir(path, name)
     params = _to_device(raw, jdtype)
-    tokenizer = tok.tokenizer_from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+    tokenizer = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+      tokenizer = tok.tokenizer_from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+    else:
+      log.warning("%s has no tokenizer.json: prompts must be given as token ids", path)
   elif path.endswith(".gguf"):
     reader = gguf_loader.open_gguf(path)
     tokenizer = tok.tokenizer_from_gguf(reader)

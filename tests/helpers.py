@@ -1,0 +1,32 @@
+"""Shared test helpers: a plain full-recompute greedy decode (the engine's oracle)."""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.executors.jax_executor import JaxExecutor
+from jaxinfer.runtime.batcher import SeqWork, pack
+
+
+def full_logits(cfg, params, ids, kv_format="f32"):
+  """Logits at every position of `ids` from one fresh prefill (no cache reuse)."""
+  n = len(ids)
+  page_size = 16
+  pages = -(-n // page_size)
+  table = BucketTable(token_sizes=(max(n, 1),), request_sizes=(1,), page_sizes=(pages,),
+                      logits_sizes=(n,))
+  ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format)
+  step = pack([SeqWork(ids, 0, list(range(pages)), num_logits=n)], table, page_size, pages)
+  _, logits = ex.run(step, return_logits=True)
+  return logits[:n]
+
+
+def recompute_greedy(cfg, params, prompt_ids, n_tokens):
+  """Greedy decode that recomputes the whole sequence from scratch for every token."""
+  ids = list(prompt_ids)
+  out = []
+  for _ in range(n_tokens):
+    nxt = int(np.argmax(full_logits(cfg, params, ids)[-1]))
+    out.append(nxt)
+    ids.append(nxt)
+  return out
