@@ -107,6 +107,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
       log.warning("%s has no tokenizer.json: prompts must be given as token ids", path)
   elif path.endswith(".gguf"):
     reader = gguf_loader.open_gguf(path)
+    gguf_loader.config_from_gguf(reader, name)  # unsupported architectures fail first
     tokenizer = tok.tokenizer_from_gguf(reader)
     ckpt_dir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype))
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):

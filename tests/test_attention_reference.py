@@ -1,0 +1,65 @@
+"""The jnp ragged paged attention against a dense per-request computation."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import SMOLLM2_135M
+from jaxinfer.kv import allocate_pool, write_tokens
+from pallas_kernels.paged_attention.reference import ragged_paged_attention
+
+
+def dense(q, k, v):
+  """Causal attention of the last len(q) positions over k/v [S, K, H]."""
+  S, K, H = k.shape
+  n, N, _ = q.shape
+  G = N // K
+  out = np.zeros_like(q)
+  for i in range(n):
+    pos = S - n + i
+    for h in range(N):
+      s = k[:pos + 1, h // G] @ q[i, h] / np.sqrt(H)
+      p = np.exp(s - s.max())
+      out[i, h] = (p / p.sum()) @ v[:pos + 1, h // G]
+  return out
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_ragged_mix_with_nan_poisoned_pages(page_size):
+  rng = np.random.default_rng()
+  cfg = SMOLLM2_135M.replace(num_layers=1)
+  num_pages = 24
+  pool = allocate_pool(cfg, "f32", num_pages, page_size)
+  pool = {k: jnp.full_like(a, jnp.nan) for k, a in pool.items()}  # stale data everywhere
+  # Three requests: decode at context 9, a prefill chunk of 5 after 7 cached, fresh prompt of 6.
+  reqs = [(9, 1), (7, 5), (0, 6)]
+  perm = rng.permutation(num_pages)
+  tables, off, qs, full = [], 0, [], []
+  T = sum(n for _, n in reqs) + 3  # padding tokens at the end
+  q = rng.standard_normal((T, 9, 64)).astype(np.float32)
+  kn = rng.standard_normal((T, 3, 64)).astype(np.float32)
+  vn = rng.standard_normal((T, 3, 64)).astype(np.float32)
+  for cached, n in reqs:
+    npages = -(-(cached + n) // page_size)
+    pt = perm[off:off + npages]
+    off += npages
+    kc = rng.standard_normal((1, cached, 3, 64)).astype(np.float32)
+    vc = rng.standard_normal((1, cached, 3, 64)).astype(np.float32)
+    pos = np.arange(cached)
+    pool = write_tokens(pool, kc, vc, pt[pos // page_size].astype(np.int32),
+                        (pos % page_size).astype(np.int32))
+    tables.append(np.pad(pt, (0, 4 - len(pt))))
+    full.append((kc[0], vc[0]))
+  page_table = np.stack(tables).astype(np.int32)
+  query_len = np.array([n for _, n in reqs], np.int32)
+  query_start = np.concatenate([[0], np.cumsum(query_len)[:-1]]).astype(np.int32)
+  cached_len = np.array([c for c, _ in reqs], np.int32)
+  out = np.asarray(ragged_paged_attention(
+      jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), pool, 0, page_table, query_start,
+      query_len, cached_len, max_query_len=8))
+  assert np.isfinite(out).all()
+  for r, (cached, n) in enumerate(reqs):
+    s = query_start[r]
+    k = np.concatenate([full[r][0], kn[s:s + n]])
+    v = np.concatenate([full[r][1], vn[s:s + n]])
+    np.testing.assert_allclose(out[s:s + n], dense(q[s:s + n], k, v), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(out[query_len.sum():], 0.0)

@@ -1,0 +1,70 @@
+"""Bad input gets a clear error naming the value and the limit."""
+import os
+
+import pytest
+
+from jaxinfer.config import SamplingParams, get_model_config
+from jaxinfer.loading import ModelLoadError, load_model, resolve_model
+
+
+def test_unknown_model_name():
+  with pytest.raises(ModelLoadError, match="unknown model 'llama-9000'"):
+    resolve_model("llama-9000")
+  with pytest.raises(ValueError, match="unknown model 'nope'"):
+    get_model_config("nope")
+
+
+def test_known_config_without_weights():
+  with pytest.raises(ModelLoadError, match="no bundled weights"):
+    resolve_model("qwen3-8b")
+
+
+def test_malformed_gguf(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"GGUF" + os.urandom(64))
+  with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+    load_model(str(bad), use_cache=False)
+
+
+def test_missing_gguf(tmp_path):
+  from jaxinfer.loading.gguf_loader import open_gguf
+  with pytest.raises(ModelLoadError, match="not found"):
+    open_gguf(str(tmp_path / "missing.gguf"))
+
+
+def test_unsupported_architecture(tmp_path):
+  import gguf
+  path = str(tmp_path / "mamba.gguf")
+  w = gguf.GGUFWriter(path, "mamba")
+  w.add_block_count(1)
+  w.add_tensor("token_embd.weight", __import__("numpy").zeros((4, 4), "float32"))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ModelLoadError, match="architecture 'mamba' is not supported"):
+    load_model(path, use_cache=False)
+
+
+def test_unsupported_hf_architecture(tmp_path):
+  (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+  with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+    load_model(str(tmp_path))
+
+
+def test_bad_sampling_params():
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-1)
+  with pytest.raises(ValueError, match="max_tokens"):
+    SamplingParams(max_tokens=0)
+
+
+def test_bucket_overflow_is_an_error():
+  from jaxinfer.buckets import BucketError, BucketTable
+  t = BucketTable.default(max_tokens=64, max_requests=4, max_pages=8)
+  with pytest.raises(BucketError, match="tokens per step=65 exceeds the largest bucket 64"):
+    t.select(65, 1, 1, 1, 1)
+  with pytest.raises(BucketError, match="requests per step=5"):
+    t.select(5, 5, 1, 1, 1)

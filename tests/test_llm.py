@@ -1,0 +1,56 @@
+"""LLM.generate on SmolLM2: batching and chunked prefill equal the recompute oracle."""
+import pytest
+
+from helpers import recompute_greedy
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.llm import LLM, RequestTooLargeError
+
+PROMPTS = ["The capital of France is", "List three primary colors:",
+           "def fibonacci(n):\n    ", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+  return LLM.from_loaded(smollm2, num_pages=64,
+                         buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
+                                             page_sizes=(8,)))
+
+
+def test_batched_chunked_generate_equals_recompute(llm, smollm2):
+  sp = SamplingParams(max_tokens=8, ignore_eos=True)
+  outs = llm.generate(PROMPTS, sp)  # prompts > 4 tokens; largest bucket 32 forces sharing
+  for p, o in zip(PROMPTS, outs):
+    ids = smollm2.tokenizer.encode(p)
+    assert o.prompt_token_ids == ids
+    assert o.token_ids == recompute_greedy(smollm2.cfg, smollm2.params, ids, 8), p
+    assert o.finish_reason == "length"
+
+
+def test_rejected_request_leaves_llm_healthy(llm):
+  with pytest.raises(RequestTooLargeError, match="more than the largest bucket of 8 pages"):
+    llm.generate(["hello " * 200], SamplingParams(max_tokens=4))
+  out = llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+  assert len(out.token_ids) == 2
+
+
+def test_stop_string_cuts_text(llm):
+  full = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+  assert "5" in full.text
+  cut = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=8, stop=("5",)))[0]
+  assert cut.finish_reason == "stop" and "5" not in cut.text and cut.text == full.text.split("5")[0]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+  sp = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+  a = llm.generate(["Once upon a time"], sp)[0].token_ids
+  b = llm.generate(["Once upon a time", "Another prompt here"], [sp, sp])[0].token_ids
+  assert a == b
+
+
+def test_kv_pool_too_small_is_an_error(smollm2):
+  small = LLM.from_loaded(smollm2, num_pages=2, page_size=4,
+                          buckets=BucketTable(token_sizes=(8,), request_sizes=(1,),
+                                              page_sizes=(64,)))
+  with pytest.raises(RequestTooLargeError, match="pool has only 2 pages of 4 tokens"):
+    small.generate(["The capital of France is"], SamplingParams(max_tokens=8))

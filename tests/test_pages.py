@@ -1,0 +1,139 @@
+"""PageManager: unit tests and a property test over random operation sequences."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.runtime.pages import PageManager
+
+
+def test_allocate_grow_free():
+  pm = PageManager(8, 4)
+  assert pm.add_sequence("a", reserve_tokens=9)  # 3 pages reserved
+  assert pm.num_available == 5
+  assert pm.grow("a", 5) == []
+  assert len(pm.page_table("a")) == 2 and pm.num_available == 5  # taken from the reserve
+  assert pm.grow("a", 9) == []
+  assert pm.grow("a", 13) == []  # a 4th page, past the reservation: from the free list
+  assert pm.num_available == 4
+  pm.free("a")
+  assert pm.num_free == 8
+  pm.check_invariants()
+
+
+def test_reservation_refuses_without_side_effects():
+  pm = PageManager(4, 4)
+  assert pm.add_sequence("a", reserve_tokens=12)
+  assert not pm.add_sequence("b", reserve_tokens=8)
+  assert not pm.has("b")
+  assert pm.grow("a", 12) == []
+  assert pm.grow("a", 20) is None  # short: nothing changes
+  assert pm.num_tokens("a") == 12 and len(pm.page_table("a")) == 3
+  pm.check_invariants()
+
+
+def test_fork_copy_on_write_of_partial_tail_only():
+  """8.3.2: branches share full pages; a write into a shared partial tail copies it."""
+  pm = PageManager(16, 4)
+  pm.add_sequence("p")
+  pm.grow("p", 10)  # pages: full, full, 2/4 tail
+  pm.fork("p", "b")
+  tail = pm.page_table("p")[2]
+  assert pm.refcount(tail) == 2
+  copies = pm.grow("b", 11)
+  assert len(copies) == 1 and copies[0][0] == tail
+  assert pm.page_table("b")[:2] == pm.page_table("p")[:2]
+  assert pm.page_table("b")[2] != tail and pm.refcount(tail) == 1
+  assert pm.grow("p", 11) == []  # the parent now owns its tail alone: no copy
+  pm.fork("p", "c")
+  pm.grow("p", 12)  # fill the tail: p copies (c still shares it)
+  pm.grow("c", 12)  # c now alone: writes in place
+  pm.fork("p", "d")
+  assert pm.grow("d", 13) == []  # tail page full: shared pages stay shared, new page
+  pm.check_invariants()
+
+
+def test_four_branches_share_a_95_page_prefix():
+  """SPEC 8.3.2 reference: 4 branches sharing 95 pages with 9 private pages each."""
+  pm = PageManager(200, 16)
+  pm.add_sequence("root")
+  pm.grow("root", 95 * 16)
+  for i in range(4):
+    pm.fork("root", i)
+    pm.grow(i, (95 + 9) * 16)
+  pm.free("root")
+  assert pm.num_used == 95 + 4 * 9
+  assert sum(len(pm.page_table(i)) for i in range(4)) == 4 * 104  # references
+  pm.check_invariants()
+
+
+def test_deferred_release_waits_for_in_flight_step():
+  """A cancelled request's pages are not reused while a launched step reads them."""
+  pm = PageManager(4, 4)
+  pm.add_sequence("a")
+  pm.grow("a", 8)
+  step = pm.begin_step(["a"])
+  pm.free("a")  # cancel while the step is in flight
+  assert pm.num_free == 2 and pm.num_pending == 2
+  assert pm.allocate_pages(3) is None
+  pm.complete_step(step)
+  assert pm.num_free == 4 and pm.num_pending == 0
+  pm.check_invariants()
+
+
+def test_rollback_releases_pages_past_the_end():
+  pm = PageManager(8, 4)
+  pm.add_sequence("a")
+  pm.grow("a", 14)
+  pm.rollback("a", 5)
+  assert len(pm.page_table("a")) == 2 and pm.num_free == 6
+  with pytest.raises(ValueError):
+    pm.rollback("a", 6)
+  pm.check_invariants()
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "grow", "fork", "rollback", "free", "step",
+                                          "complete", "cache_ref", "cache_drop"]),
+                         st.integers(0, 5), st.integers(0, 40)), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_property_no_leak_no_double_free(ops):
+  pm = PageManager(12, 4)
+  cache = {}  # page -> references held by a stand-in for the prefix cache
+  in_flight = []
+  for op, a, n in ops:
+    sid = a
+    if op == "add" and not pm.has(sid):
+      pm.add_sequence(sid, reserve_tokens=n % 20)
+    elif op == "grow" and pm.has(sid):
+      pm.grow(sid, pm.num_tokens(sid) + n % 9)
+    elif op == "fork" and pm.has(sid) and not pm.has(sid + 10):
+      pm.fork(sid, sid + 10)
+    elif op == "rollback" and pm.has(sid):
+      pm.rollback(sid, min(n, pm.num_tokens(sid)))
+    elif op == "free" and pm.has(sid):
+      pm.free(sid)
+    elif op == "free" and pm.has(sid + 10):
+      pm.free(sid + 10)
+    elif op == "step":
+      in_flight.append(pm.begin_step(list(pm.sequences())))
+    elif op == "complete" and in_flight:
+      pm.complete_step(in_flight.pop(0))
+    elif op == "cache_ref" and pm.has(sid) and pm.page_table(sid):
+      p = pm.page_table(sid)[0]
+      pm.incref([p])
+      cache[p] = cache.get(p, 0) + 1
+    elif op == "cache_drop" and cache:
+      p = next(iter(cache))
+      pm.decref([p])
+      cache[p] -= 1
+      if not cache[p]:
+        del cache[p]
+    pm.check_invariants(cache)
+  for sid in list(pm.sequences()):
+    pm.free(sid)
+  pm.decref([p for p, c in cache.items() for _ in range(c)])
+  for s in in_flight:
+    pm.complete_step(s)
+  assert pm.num_free == pm.num_pages
