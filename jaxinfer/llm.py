@@ -85,7 +85,7 @@ class LLM:
   def __init__(self, model="smollm2-135m-instruct", *, dtype: str = "float32",
                kv_format: str = "f32", page_size: int = 16, num_pages: int = 1024,
                max_model_len: Optional[int] = None, attention: str = "reference",
-               buckets: Optional[BucketTable] = None, scan_layers: bool = False):
+               buckets: Optional[BucketTable] = None, scan_layers: bool = True):
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     # `model`: a name or path, or an already loaded model (LoadedModel).

@@ -22,7 +22,7 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-  """SmolLM2 loaded once (f32, unrolled layers), cached conversion in a temp dir."""
+  """SmolLM2 loaded once (f32, layers under lax.scan), cached conversion in a temp dir."""
   from jaxinfer.loading import load_model
   cache = str(tmp_path_factory.mktemp("ckpt"))
   return load_model("smollm2-135m-instruct", "float32", cache_dir=cache)

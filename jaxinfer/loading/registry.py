@@ -77,7 +77,7 @@ def _to_device(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a), dtype), params)
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layers: bool = False,
+def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layers: bool = True,
                cache_dir: Optional[str] = None, use_cache: bool = True) -> LoadedModel:
   """Load weights (dequantized to `dtype`) and the tokenizer.
 
