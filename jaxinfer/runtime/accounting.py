@@ -1,0 +1,94 @@
+"""KV reservation accounting (8.1, 8.3.1, 8.3.2): whole-segment, paged, paged + sharing.
+
+Pure arithmetic over sequence lengths, so the chapter's small examples can be checked
+by hand and the capacity of a KV budget computed for any model and KV format.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+  return -(-tokens // page_size)
+
+
+@dataclasses.dataclass
+class PolicyAccount:
+  policy: str
+  reserved_slots: int  # token slots set aside
+  allocated_slots: int  # token slots physically taken (pages x page size)
+  unused_slots: int  # allocated - distinct tokens stored
+  page_table_entries: int  # references
+  physical_pages: int
+
+
+def account(lengths: Sequence[int], max_len: int, page_size: int,
+            shares: Sequence[Tuple[int, int, int]] = ()) -> List[PolicyAccount]:
+  """The three policies of 8.3.1 side by side.
+
+  shares: (i, j, n): sequences i and j hold the same first n tokens; with sharing, the
+  full pages of that prefix are stored once (a partial page is private to each).
+  """
+  if any(L > max_len for L in lengths):
+    raise ValueError(f"a sequence length {max(lengths)} exceeds max_len {max_len}")
+  n = len(lengths)
+  tokens = sum(lengths)
+  seg_pages = n * pages_for(max_len, page_size)
+  whole = PolicyAccount("whole_segment", n * max_len, n * max_len, n * max_len - tokens, n,
+                        seg_pages)
+  refs = sum(pages_for(L, page_size) for L in lengths)
+  paged = PolicyAccount("paged", refs * page_size, refs * page_size, refs * page_size - tokens,
+                        refs, refs)
+  saved_pages, saved_tokens = 0, 0
+  for i, j, s in shares:
+    if s > min(lengths[i], lengths[j]):
+      raise ValueError(f"shared prefix {s} longer than sequence {i} or {j}")
+    full = s // page_size
+    saved_pages += full
+    saved_tokens += full * page_size
+  phys = refs - saved_pages
+  shared = PolicyAccount("paged_shared", phys * page_size, phys * page_size,
+                         phys * page_size - (tokens - saved_tokens), refs, phys)
+  return [whole, paged, shared]
+
+
+def account_branches(branches: int, prefix_pages: int, private_pages: int,
+                     page_size: int) -> List[PolicyAccount]:
+  """8.3.2's branching example: `branches` sequences share `prefix_pages` full pages and
+  each owns `private_pages` more (slots assume full pages)."""
+  per = prefix_pages + private_pages
+  refs = branches * per
+  paged = PolicyAccount("paged", refs * page_size, refs * page_size, 0, refs, refs)
+  phys = prefix_pages + branches * private_pages
+  shared = PolicyAccount("paged_shared", phys * page_size, phys * page_size, 0, refs, phys)
+  return [paged, shared]
+
+
+@dataclasses.dataclass
+class Capacity:
+  bytes_per_token: float
+  page_size: int
+  kv_after_prefill_bytes: int  # one request, L tokens rounded up to pages
+  kv_end_bytes: int  # one request at the end: L + G - 1 tokens rounded up to pages
+  shared_prefix_bytes: int  # stored once when shared
+  private_end_bytes: int  # per request beyond the shared prefix
+  requests_fit: int
+
+
+def capacity(bytes_per_token: float, budget_bytes: float, input_tokens: int, output_tokens: int,
+             page_size: int = 16, shared_prefix: int = 0) -> Capacity:
+  """8.1: capacity = floor(budget / per-request reservation of L + G - 1 tokens); with a
+  shared prefix (8.3.2): one copy of the prefix's full pages + per-request private parts."""
+  end_tokens = input_tokens + output_tokens - 1
+  slot = bytes_per_token * page_size
+  after_prefill = pages_for(input_tokens, page_size) * slot
+  end = pages_for(end_tokens, page_size) * slot
+  shared_pages = shared_prefix // page_size
+  prefix = shared_pages * slot
+  private = pages_for(end_tokens - shared_pages * page_size, page_size) * slot
+  fit = int((budget_bytes - prefix) // private) if budget_bytes >= prefix else 0
+  if not shared_prefix:
+    fit = int(budget_bytes // end)
+  return Capacity(bytes_per_token, page_size, int(after_prefill), int(end), int(prefix),
+                  int(private), fit)
