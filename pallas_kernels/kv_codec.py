@@ -199,20 +199,25 @@ def pool_format(pool) -> str:
 
 
 def gather_pages(pool, layer, page_table, dtype=jnp.float32):
-  """K, V of one layer for each request: page_table [R, Pmax] -> [R, Pmax*page, K, H]."""
+  """K, V of one layer for each request: page_table [R, Pmax] -> two [K, R, Pmax*page, H].
+
+  The pool is [L, K, P, page, Hc] (KV-head-major, like JAX's paged attention ops), so the
+  gathered pages are already laid out for a dot batched over (KV head, request).
+  """
   fmt = get_format(pool_format(pool))
+  K = pool["k"].shape[1]
+  ki = jnp.arange(K)[:, None, None]
+  pt = page_table[None]
   out = []
   for name in ("k", "v"):
-    codes = pool[name][layer, page_table]  # [R, Pmax, page, K, Hc]
+    codes = pool[name][layer, ki, pt]  # [K, R, Pmax, page, Hc]
     if fmt.group_scales:
-      x = decode(fmt, codes, pool[name + "_gs"][layer, page_table], dtype)
+      x = decode(fmt, codes, pool[name + "_gs"][layer, ki, pt], dtype)
     elif fmt.page_scales:
-      s = pool[name + "_ps"][layer, page_table]  # [R, Pmax, K]
-      x = decode(fmt, codes, s[:, :, None, :, None], dtype)
+      sc = pool[name + "_ps"][layer, ki, pt]  # [K, R, Pmax]
+      x = decode(fmt, codes, sc[..., None, None], dtype)
     else:
       x = decode(fmt, codes, None, dtype)
-    R, Pm, ps, K, H = x.shape
-    out.append(x.reshape(R, Pm * ps, K, H))
+    K_, R, Pm, ps, H = x.shape
+    out.append(x.reshape(K_, R, Pm * ps, H))
   return out[0], out[1]
-
-

@@ -56,10 +56,11 @@ def test_pool_write_then_gather(fmt):
   pool = write_tokens(pool, jnp.asarray(k), jnp.asarray(v), pages, offs)
   kk, vv = gather_pages(pool, 1, jnp.array([[4, 1]], jnp.int32))
   tol = {"f32": 1e-7, "bf16": 1e-2, "fp8": 0.07, "q8_0": 0.02, "q4_0": 0.3}[fmt]
-  got = np.asarray(kk)[0, :6]
+  kk, vv = (np.asarray(a).transpose(1, 2, 0, 3) for a in (kk, vv))  # -> [R, S, K, H]
+  got = kk[0, :6]
   want = k[1, :6]
   assert np.abs(got - want).max() <= tol * np.abs(want).max()
-  np.testing.assert_allclose(np.asarray(vv)[0, :6], v[1, :6], atol=tol * np.abs(v).max())
+  np.testing.assert_allclose(vv[0, :6], v[1, :6], atol=tol * np.abs(v).max())
 
 
 def test_fp8_page_scale_grows_and_requantizes():
@@ -72,6 +73,6 @@ def test_fp8_page_scale_grows_and_requantizes():
   pool = write_tokens(pool, small, small, np.array([0]), np.array([0]))
   pool = write_tokens(pool, big, big, np.array([0]), np.array([1]))
   kk, _ = gather_pages(pool, 0, jnp.array([[0]], jnp.int32))
-  kk = np.asarray(kk)[0]
+  kk = np.asarray(kk).transpose(1, 2, 0, 3)[0]
   np.testing.assert_allclose(kk[0], 0.5, rtol=0.07)
   np.testing.assert_allclose(kk[1], 40.0, rtol=0.07)

@@ -35,11 +35,16 @@ def _median_time(fn, *args, repeats):
 
 
 def measure_read_bandwidth(mib: int, repeats: int) -> float:
-  """Bytes/s of a reduction that reads every element once (a decode step's pattern)."""
+  """Best bytes/s over two read-once patterns: a full reduction, and a vector-matrix
+  product x[1, D] @ W[D, n] (a decode step's weight read). The floor of a step is its
+  bytes over the best rate this machine shows."""
   n = mib * 2**20 // 4
   x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
-  t = _median_time(jax.jit(lambda a: jnp.sum(a)), x, repeats=repeats)
-  return n * 4 / t
+  t_sum = _median_time(jax.jit(lambda a: jnp.sum(a)), x, repeats=repeats)
+  w = x.reshape(512, n // 512)
+  v = jnp.ones((1, 512), jnp.float32)
+  t_mv = _median_time(jax.jit(lambda a, b: a @ b), v, w, repeats=repeats)
+  return n * 4 / min(t_sum, t_mv)
 
 
 def measure_matmul_flops(n: int, repeats: int, dtype=jnp.float32) -> float:

@@ -1,9 +1,11 @@
 """The paged KV pool as a pytree of device arrays, in any KV format (8.3.1, 8.4.2).
 
 Layout, one array per component, layer-major so a step writes every layer once:
-  k, v         [L, P, page_size, K, Hc]   codes (see pallas_kernels.kv_codec)
-  k_gs, v_gs   [L, P, page_size, K, H/32] uint16 fp16 group scales (q8_0, q4_0)
-  k_ps, v_ps   [L, P, K] float32          page scales (fp8)
+  k, v         [L, K, P, page_size, Hc]   codes (see pallas_kernels.kv_codec)
+  k_gs, v_gs   [L, K, P, page_size, H/32] uint16 fp16 group scales (q8_0, q4_0)
+  k_ps, v_ps   [L, K, P] float32          page scales (fp8)
+KV-head-major, so a request's gathered pages feed a dot batched over (head, request)
+without a transpose.
 Pools are allocated with zeros (jnp.empty is uninitialized on jax 0.11, JAX-FACTS.md);
 attention masks stale positions, so a page's old contents never matter.
 """
@@ -43,51 +45,52 @@ def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: i
   fmt = get_format(kv_format)
   kv_codec.check_head_dim(fmt, cfg.head_dim)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-  shape = (L, num_pages, page_size, K, fmt.code_dim(H))
+  shape = (L, K, num_pages, page_size, fmt.code_dim(H))
   pool = {"k": jnp.zeros(shape, fmt.code_dtype), "v": jnp.zeros(shape, fmt.code_dtype)}
   if fmt.group_scales:
-    gs = (L, num_pages, page_size, K, fmt.scale_dim(H))
+    gs = (L, K, num_pages, page_size, fmt.scale_dim(H))
     pool["k_gs"] = jnp.zeros(gs, jnp.uint16)
     pool["v_gs"] = jnp.zeros(gs, jnp.uint16)
   if fmt.page_scales:
-    pool["k_ps"] = jnp.zeros((L, num_pages, K), jnp.float32)
-    pool["v_ps"] = jnp.zeros((L, num_pages, K), jnp.float32)
+    pool["k_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
+    pool["v_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
   return pool
 
 
 def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
   """Write x [L, T, K, H] at (page_ids[t], offsets[t]); out-of-range pages are dropped."""
-  codes = pool[name]
-  L = codes.shape[0]
-  num_pages, page_size = codes.shape[1], codes.shape[2]
-  lidx = jnp.arange(L)[:, None]
-  p = page_ids[None, :]
-  o = offsets[None, :]
+  codes = pool[name]  # [L, K, P, page, Hc]
+  L, K, num_pages = codes.shape[:3]
+  li = jnp.arange(L)[:, None, None]  # indices broadcast to [L, T, K]
+  ki = jnp.arange(K)[None, None, :]
+  p = page_ids[None, :, None]
+  o = offsets[None, :, None]
   if fmt.page_scales:
     ps_name = name + "_ps"
-    scales = pool[ps_name]  # [L, P, K]
+    scales = pool[ps_name]  # [L, K, P]
     # A token at offset 0 starts a fresh page: forget the scale of the page's last owner.
-    fresh = jnp.where(offsets == 0, page_ids, num_pages)
-    scales = scales.at[lidx, fresh[None, :]].set(0.0, mode="drop")
+    fresh = jnp.where(offsets == 0, page_ids, num_pages)[None, :, None]
+    scales = scales.at[li, ki, fresh].set(0.0, mode="drop")
     old = scales
     need = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / kv_codec.FP8_MAX  # [L, T, K]
-    scales = scales.at[lidx, p].max(need, mode="drop")
+    scales = scales.at[li, ki, p].max(need, mode="drop")
     # Re-encode the touched pages' existing codes where the scale grew (same value for
     # duplicates, so the scatter is deterministic), then write the new tokens over them.
-    pc = jnp.clip(page_ids, 0, num_pages - 1)
-    ratio = old[:, pc] / jnp.where(scales[:, pc] > 0, scales[:, pc], 1.0)  # [L, T, K]
-    page_codes = codes[:, pc]  # [L, T, page, K, H]
+    pc = jnp.clip(p, 0, num_pages - 1)
+    new_s = scales[li, ki, pc]  # [L, T, K]
+    ratio = old[li, ki, pc] / jnp.where(new_s > 0, new_s, 1.0)
+    page_codes = codes[li, ki, pc]  # [L, T, K, page, H]
     rescaled = kv_codec.quantize_fp8(
-        kv_codec.dequantize_fp8(page_codes, ratio[:, :, None, :, None]), 1.0)
-    codes = codes.at[lidx, p].set(rescaled, mode="drop")
-    new = kv_codec.quantize_fp8(x, scales[:, pc][..., None])
-    pool[name] = codes.at[lidx, p, o].set(new, mode="drop")
+        kv_codec.dequantize_fp8(page_codes, ratio[..., None, None]), 1.0)
+    codes = codes.at[li, ki, p].set(rescaled, mode="drop")
+    new = kv_codec.quantize_fp8(x, new_s[..., None])
+    pool[name] = codes.at[li, ki, p, o].set(new, mode="drop")
     pool[ps_name] = scales
     return
   c, s = kv_codec.encode(fmt, x)
-  pool[name] = codes.at[lidx, p, o].set(c, mode="drop")
+  pool[name] = codes.at[li, ki, p, o].set(c, mode="drop")
   if s is not None:
-    pool[name + "_gs"] = pool[name + "_gs"].at[lidx, p, o].set(s, mode="drop")
+    pool[name + "_gs"] = pool[name + "_gs"].at[li, ki, p, o].set(s, mode="drop")
 
 
 def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
@@ -105,4 +108,4 @@ def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
 
 def copy_pages(pool: KVPool, src, dst) -> KVPool:
   """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write, 8.3.2)."""
-  return {name: a.at[:, dst].set(a[:, src]) for name, a in pool.items()}
+  return {name: a.at[:, :, dst].set(a[:, :, src]) for name, a in pool.items()}

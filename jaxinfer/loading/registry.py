@@ -62,9 +62,14 @@ def resolve_model(model: str) -> str:
       f"unknown model {model!r}: not a known name ({sorted(MODEL_CONFIGS)}) and no such path")
 
 
+# Bump when the params pytree changes shape or names, so stale converted caches are not used.
+PARAMS_LAYOUT_VERSION = 1
+
+
 def _cache_key(path: str, dtype_name: str) -> str:
   st = os.stat(path)
-  h = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{dtype_name}".encode())
+  h = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{dtype_name}:"
+                   f"v{PARAMS_LAYOUT_VERSION}".encode())
   return h.hexdigest()[:16]
 
 
@@ -110,10 +115,14 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     gguf_loader.config_from_gguf(reader, name)  # unsupported architectures fail first
     tokenizer = tok.tokenizer_from_gguf(reader)
     ckpt_dir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype))
+    params = None
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):
-      params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)
-      log.info("restored converted weights from %s", ckpt_dir)
-    else:
+      try:
+        params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)
+        log.info("restored converted weights from %s", ckpt_dir)
+      except (ValueError, OSError) as e:  # damaged or foreign cache: convert again
+        log.warning("ignoring unusable converted weights in %s: %s", ckpt_dir, e)
+    if params is None:
       raw, cfg, _ = gguf_loader.load_gguf(path, name)
       params = _to_device(raw, jdtype)
       if use_cache:

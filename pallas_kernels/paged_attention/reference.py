@@ -36,41 +36,33 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
   cdt = jnp.float32
 
-  # Gather each request's queries and new K/V into [R, Q, ...].
+  # Gather each request's queries and new K/V, KV-head-major like the pool: [K, R, Q, ...].
   qpos = jnp.arange(Q, dtype=jnp.int32)
   qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
   qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
-  qr = q[qidx].astype(cdt).reshape(R, Q, K, G, H) * scale  # [R, Q, K, G, H]
-  kn = k_new[qidx].astype(cdt)  # [R, Q, K, H]
-  vn = jnp.where(qvalid[..., None, None], v_new[qidx].astype(cdt), 0.0)
+  qr = (q[qidx].astype(cdt) * scale).reshape(R, Q, K, G, H).transpose(2, 0, 1, 3, 4)
+  kn = k_new[qidx].astype(cdt).transpose(2, 0, 1, 3)  # [K, R, Q, H]
+  vn = jnp.where(qvalid[None, :, :, None], v_new[qidx].astype(cdt).transpose(2, 0, 1, 3), 0.0)
 
-  kc, vc = kv_codec.gather_pages(pool, layer, page_table, cdt)  # [R, S, K, H]
-  S = kc.shape[1]
+  kc, vc = kv_codec.gather_pages(pool, layer, page_table, cdt)  # [K, R, S, H]
+  S = kc.shape[2]
   cvalid = jnp.arange(S, dtype=jnp.int32)[None, :] < cached_len[:, None]  # [R, S]
-  vc = jnp.where(cvalid[..., None, None], vc, 0.0)  # stale pages may hold NaN
+  vc = jnp.where(cvalid[None, :, :, None], vc, 0.0)  # stale pages may hold NaN
 
-  if Q == 1:  # decode: multiply-and-reduce beats tiny batched dots on XLA:CPU
-    s_c = jnp.sum(qr[:, 0, :, :, None, :] * kc.transpose(0, 2, 1, 3)[:, :, None], axis=-1)
-    s_c = s_c[:, None]  # [R, 1, K, G, S]
-  else:
-    s_c = jnp.einsum("rqkgh,rskh->rqkgs", qr, kc)
-  s_n = jnp.einsum("rqkgh,rjkh->rqkgj", qr, kn)  # [R, Q, K, G, Q]
-  m_c = cvalid[:, None, None, None, :]
+  s_c = jnp.einsum("krqgh,krsh->krqgs", qr, kc)  # [K, R, Q, G, S]
+  s_n = jnp.einsum("krqgh,krjh->krqgj", qr, kn)  # [K, R, Q, G, Q]
+  m_c = cvalid[None, :, None, None, :]
   m_n = (qpos[None, :, None] >= qpos[None, None, :]) & qvalid[:, None, :]  # [R, Q, Q]
-  m_n = m_n[:, :, None, None, :]
+  m_n = m_n[None, :, :, None, :]
   s_c = jnp.where(m_c, s_c, _NEG)
   s_n = jnp.where(m_n, s_n, _NEG)
   m = jnp.maximum(jnp.max(s_c, axis=-1), jnp.max(s_n, axis=-1))[..., None]
   p_c = jnp.where(m_c, jnp.exp(s_c - m), 0.0)
   p_n = jnp.where(m_n, jnp.exp(s_n - m), 0.0)
-  denom = jnp.sum(p_c, axis=-1) + jnp.sum(p_n, axis=-1)  # [R, Q, K, G]
-  if Q == 1:
-    o = jnp.sum(p_c[:, 0, :, :, :, None] * vc.transpose(0, 2, 1, 3)[:, :, None], axis=-2)[:, None]
-  else:
-    o = jnp.einsum("rqkgs,rskh->rqkgh", p_c, vc)
-  o = o + jnp.einsum("rqkgj,rjkh->rqkgh", p_n, vn)
+  denom = jnp.sum(p_c, axis=-1) + jnp.sum(p_n, axis=-1)  # [K, R, Q, G]
+  o = jnp.einsum("krqgs,krsh->krqgh", p_c, vc) + jnp.einsum("krqgj,krjh->krqgh", p_n, vn)
   o = o / jnp.maximum(denom, 1e-30)[..., None]
-  o = o.reshape(R, Q, N, H)
+  o = o.transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
 
   # Scatter back to the flat token order; padding tokens stay zero.
   flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
