@@ -54,7 +54,9 @@ def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: i
   if fmt.page_scales:
     pool["k_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
     pool["v_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
-  return pool
+  # Commit to the device like the step's outputs, so the first step and later ones hit
+  # the same compiled executable (jit keys on committed-ness).
+  return jax.device_put(pool, jax.devices()[0])
 
 
 def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
