@@ -1,8 +1,8 @@
 """The one table of padded shapes (8.2.4: XLA's answer to captured CUDA graphs).
 
 Every jitted step runs at a shape taken from this table: tokens per step (T), request
-slots per step (R), pages per request (P), query tokens per request (Q) and logits rows
-(S). Padding looks the next size up with `bisect`; asking past the largest size raises
+slots per step (R), pages per request (P) and query tokens per request (Q); logits rows
+are one per request slot (S = R). Padding looks the next size up with `bisect`; asking past the largest size raises
 `BucketError` — nothing is ever truncated.
 """
 from __future__ import annotations
@@ -41,19 +41,15 @@ class BucketTable:
   request_sizes: Tuple[int, ...]
   page_sizes: Tuple[int, ...]  # pages per request
   query_sizes: Tuple[int, ...] = ()  # default: (1,) + token sizes
-  logits_sizes: Tuple[int, ...] = ()  # default: request sizes + larger token sizes
 
   def __post_init__(self):
-    for name in ("token_sizes", "request_sizes", "page_sizes", "query_sizes", "logits_sizes"):
+    for name in ("token_sizes", "request_sizes", "page_sizes", "query_sizes"):
       v = tuple(sorted(set(getattr(self, name))))
       if any(x <= 0 for x in v):
         raise ValueError(f"{name} must be positive, got {v}")
       object.__setattr__(self, name, v)
     if not self.query_sizes:
       object.__setattr__(self, "query_sizes", tuple(sorted({1, *self.token_sizes})))
-    if not self.logits_sizes:
-      sizes = set(self.request_sizes) | {t for t in self.token_sizes if t > self.request_sizes[-1]}
-      object.__setattr__(self, "logits_sizes", tuple(sorted(sizes)))
 
   @classmethod
   def default(cls, max_tokens: int = 512, max_requests: int = 64, max_pages: int = 128,
@@ -81,28 +77,27 @@ class BucketTable:
   def max_pages(self) -> int:
     return self.page_sizes[-1]
 
-  def select(self, num_tokens: int, num_requests: int, max_pages: int, max_query_len: int,
-             num_logits: int) -> Bucket:
+  def select(self, num_tokens: int, num_requests: int, max_pages: int,
+             max_query_len: int) -> Bucket:
     T = self._pick(self.token_sizes, num_tokens, "tokens per step")
     Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
-    return Bucket(num_tokens=T,
-                  num_requests=self._pick(self.request_sizes, num_requests, "requests per step"),
+    R = self._pick(self.request_sizes, num_requests, "requests per step")
+    return Bucket(num_tokens=T, num_requests=R,
                   pages_per_request=self._pick(self.page_sizes, max(max_pages, 1),
                                                "pages per request"),
-                  max_query_len=Q,
-                  num_logits=self._pick(self.logits_sizes, max(num_logits, 1), "logits rows"))
+                  max_query_len=Q, num_logits=R)
 
-  def all_buckets(self, decode_only: bool = False) -> Iterator[Bucket]:
-    """Every shape a step can run at (for warm-up). decode_only: Q == 1 and T == R."""
-    for R, P in itertools.product(self.request_sizes, self.page_sizes):
-      if decode_only:
-        T = self._pick(self.token_sizes, R, "tokens")
-        yield Bucket(T, R, P, 1, self._pick(self.logits_sizes, R, "logits"))
+  def all_buckets(self) -> Iterator[Bucket]:
+    """Every shape `select` can return (the warm-up set): R <= T and Q <= T, except
+    that a step of R one-token requests uses the smallest T >= R."""
+    seen = set()
+    for R, P, T, Q in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes,
+                                        self.query_sizes):
+      if Q > T:
         continue
-      for T in self.token_sizes:
-        for Q in self.query_sizes:
-          if Q > T:
-            continue
-          for S in self.logits_sizes:
-            if S <= T:
-              yield Bucket(T, R, P, Q, S)
+      if T < R and T != self.token_sizes[-1]:
+        continue
+      b = Bucket(T, R, P, Q, R)
+      if b not in seen:
+        seen.add(b)
+        yield b

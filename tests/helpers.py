@@ -13,12 +13,22 @@ def full_logits(cfg, params, ids, kv_format="f32"):
   n = len(ids)
   page_size = 16
   pages = -(-n // page_size)
-  table = BucketTable(token_sizes=(max(n, 1),), request_sizes=(1,), page_sizes=(pages,),
-                      logits_sizes=(n,))
+  table = BucketTable(token_sizes=(max(n, 1),), request_sizes=(1,), page_sizes=(pages,))
   ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format)
-  step = pack([SeqWork(ids, 0, list(range(pages)), num_logits=n)], table, page_size, pages)
+  step = pack([SeqWork(ids, 0, list(range(pages)))], table, page_size, pages)
+  step = _all_positions(step, n)
   _, logits = ex.run(step, return_logits=True)
   return logits[:n]
+
+
+def _all_positions(step, n):
+  """Widen the logits rows of a one-request step to every position (test oracle only)."""
+  import dataclasses
+  a = dict(step.arrays)
+  a["logits_idx"] = np.arange(n, dtype=np.int32)
+  for k in ("temperature", "top_k", "top_p", "seed", "counter"):
+    a[k] = np.resize(a[k], n)
+  return dataclasses.replace(step, arrays=a)
 
 
 def recompute_greedy(cfg, params, prompt_ids, n_tokens):

@@ -13,6 +13,7 @@ from jaxinfer import attention
 from jaxinfer.buckets import Bucket, BucketTable
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
+from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput
 from jaxinfer.step import copy_pages_jit, enable_compilation_cache, model_step
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class JaxExecutor:
+  virtual_clock = False
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                kv_format: str = "f32", backend: str = "reference"):
@@ -31,6 +33,7 @@ class JaxExecutor:
     self.backend = attention.check_backend(backend)
     enable_compilation_cache()
     self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
+    self.host_pages = {}  # host-tier slot -> {component: numpy page}
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:
     """Copy-on-write page copies, done before the step that writes the copies."""
@@ -40,6 +43,32 @@ class JaxExecutor:
     src = np.array([c[0] for c in copies] + [copies[0][0]] * (n - len(copies)), np.int32)
     dst = np.array([c[1] for c in copies] + [copies[0][1]] * (n - len(copies)), np.int32)
     self.pool = copy_pages_jit(self.pool, src, dst)
+
+  def launch(self, step: StepInput, plan=None):
+    """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
+    t0 = time.perf_counter()
+    out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+                                max_query_len=step.bucket.max_query_len, backend=self.backend,
+                                return_logits=False)
+    return out, t0
+
+  def collect(self, handle) -> StepResult:
+    out, t0 = handle
+    packed = np.asarray(out)  # the one device -> host copy of the step
+    return StepResult(packed=packed, duration_s=time.perf_counter() - t0)
+
+  def execute(self, step: StepInput, plan=None) -> StepResult:
+    return self.collect(self.launch(step, plan))
+
+  def offload_pages(self, moves: Sequence[Tuple[int, int]]) -> None:
+    """Host tier: copy pages to host memory (numpy) before their device pages are reused."""
+    for page, slot in moves:
+      self.host_pages[slot] = {k: np.asarray(a[:, :, page]) for k, a in self.pool.items()}
+
+  def fetch_pages(self, moves: Sequence[Tuple[int, int]]) -> None:
+    for slot, page in moves:
+      data = self.host_pages.pop(slot)
+      self.pool = {k: a.at[:, :, page].set(data[k]) for k, a in self.pool.items()}
 
   def run(self, step: StepInput, return_logits: bool = False):
     """Returns packed [S, 2] float32 numpy (token id, logprob) rows (and logits)."""

@@ -47,10 +47,12 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
-  n_log = sum(w.num_logits for w in works)
   max_q = max(len(w.token_ids) for w in works)
   max_p = max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works)
-  b = table.select(n_tok, len(works), max_p, max_q, n_log)
+  b = table.select(n_tok, len(works), max_p, max_q)
+  if sum(w.num_logits for w in works) > b.num_logits:
+    raise ValueError(f"{sum(w.num_logits for w in works)} logits rows exceed the bucket's "
+                     f"{b.num_logits} (one per request slot)")
   T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
 
   token_ids = np.zeros(T, np.int32)

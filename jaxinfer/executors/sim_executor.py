@@ -1,0 +1,71 @@
+"""SimExecutor: no model; a virtual clock advanced by a pluggable step-time model.
+
+The same Scheduler / PageManager / PrefixCache drive it as the real executor, so the
+chapter's full-scale scenarios (Qwen3-8B on RTX PRO 6000) run on a laptop. Sampled
+tokens are placeholders (requests end at max_tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence, Tuple
+
+import numpy as np
+
+from jaxinfer.executors.base import StepResult
+from jaxinfer.runtime.scheduler import StepPlan
+
+
+def causal_pairs(num_new: int, num_cached: int) -> int:
+  """8.2.3: N_pair = c*h + c(c+1)/2 (rectangle to the old context + causal triangle)."""
+  c, h = num_new, num_cached
+  return c * h + c * (c + 1) // 2
+
+
+class StepTimeModel(Protocol):
+
+  def step_time(self, seqs: Sequence[Tuple[int, int]]) -> float:
+    """seqs: (new tokens, cached tokens) per request in the step -> seconds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineStepModel:
+  """8.2.2's iteration time, fitted to experiment 8-1 at batch 1 (Qwen3-8B, RTX PRO 6000):
+  26.22 ms fixed + 30.4 us per new token + 3 ns per causal (query, key) pair."""
+  fixed_s: float = 26.22e-3
+  per_token_s: float = 30.4e-6
+  per_pair_s: float = 3e-9
+
+  def step_time(self, seqs):
+    tokens = sum(c for c, _ in seqs)
+    pairs = sum(causal_pairs(c, h) for c, h in seqs)
+    return self.fixed_s + self.per_token_s * tokens + self.per_pair_s * pairs
+
+
+class SimExecutor:
+  virtual_clock = True
+
+  def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
+               token_id: int = 0):
+    self.model = model
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.token_id = token_id
+    self.pages_copied = 0
+    self.pages_offloaded = 0
+    self.pages_fetched = 0
+
+  def copy_pages(self, copies):
+    self.pages_copied += len(copies)
+
+  def offload_pages(self, moves):
+    self.pages_offloaded += len(moves)
+
+  def fetch_pages(self, moves):
+    self.pages_fetched += len(moves)
+
+  def execute(self, step, plan: StepPlan) -> StepResult:
+    """`step` is unused (no arrays are built for the simulator)."""
+    seqs = [(s.num_tokens, s.start) for s in plan.seqs]
+    packed = np.zeros((sum(s.samples for s in plan.seqs), 2), np.float32)
+    packed[:, 0] = self.token_id
+    return StepResult(packed=packed, duration_s=self.model.step_time(seqs))

@@ -1,0 +1,256 @@
+"""Engine: add_request / step / abort / stream, over one Scheduler and one Executor.
+
+    plan = scheduler.schedule(now)          # host: who runs, which tokens, which pages
+    result = executor.execute(step, plan)   # device (or the simulator's virtual clock)
+    scheduler.postprocess(plan, result)     # host: append tokens, finish, free
+
+The same scheduler, page manager and prefix cache serve the real executor (wall
+clock) and the simulator (virtual clock). A step is split into `launch` and `finish`
+so that a cancel can arrive while a step is in flight: its pages are released only
+when the step completes (8.3.2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.metrics import StepRecord, summarize
+from jaxinfer.runtime.batcher import SeqWork, pack
+from jaxinfer.runtime.pages import PageManager
+from jaxinfer.runtime.prefix_cache import PrefixCache
+from jaxinfer.runtime.request import Request, State
+from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLargeError(ValueError):
+  """A request can never run: longer than the context window, a bucket or the KV pool."""
+
+
+@dataclasses.dataclass
+class TokenEvent:
+  request_id: object
+  token_id: int
+  logprob: float
+  time: float
+  finished: bool
+  finish_reason: Optional[str]
+
+
+@dataclasses.dataclass
+class InFlight:
+  plan: StepPlan
+  handle: object
+  step_id: int
+  start: float
+  bucket: tuple
+  padded: int
+
+
+def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Request], Optional[str]]:
+  """stop token / EOS -> "stop"; a stop string cuts the text -> "stop"; max_tokens -> "length"."""
+  eos = set(eos_token_ids)
+
+  def check(r: Request) -> Optional[str]:
+    sp = r.sampling
+    last = r.output_token_ids[-1]
+    if tokenizer is not None:
+      r.text = tokenizer.decode(r.output_token_ids)
+    if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos):
+      return "stop"
+    for s in sp.stop:
+      i = r.text.find(s)
+      if i >= 0:
+        r.text = r.text[:i]
+        return "stop"
+    if len(r.output_token_ids) >= sp.max_tokens:
+      return "length"
+    return None
+
+  return check
+
+
+class Engine:
+
+  def __init__(self, executor, config: SchedulerConfig = SchedulerConfig(), *,
+               buckets: BucketTable, tokenizer=None, eos_token_ids: Sequence[int] = (),
+               max_model_len: int = 1 << 30, prefix_cache: bool = False,
+               cache_eviction: str = "lru", host_cache_pages: int = 0,
+               estimate_time: Optional[Callable[[Request, int], float]] = None):
+    self.executor = executor
+    self.config = config
+    self.buckets = buckets
+    self.tokenizer = tokenizer
+    self.max_model_len = max_model_len
+    self.pm = PageManager(executor.num_pages, executor.page_size)
+    self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
+                  if prefix_cache else None)
+    if estimate_time is None and hasattr(executor, "model"):
+      estimate_time = self._estimate_from_step_model
+    self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,
+                               max_step_requests=buckets.max_requests,
+                               estimate_time=estimate_time)
+    self.stop_check = make_stop_check(tokenizer, eos_token_ids)
+    self.requests: Dict[object, Request] = {}
+    self.steps: List[StepRecord] = []
+    self._next_id = 0
+    self._vclock = 0.0
+    self._t0 = time.perf_counter()
+    self._in_flight: Optional[InFlight] = None
+
+  # --- clock -------------------------------------------------------------------------------
+  def now(self) -> float:
+    if self.executor.virtual_clock:
+      return self._vclock
+    return time.perf_counter() - self._t0
+
+  def _wait_until(self, t: float) -> None:
+    if self.executor.virtual_clock:
+      self._vclock = max(self._vclock, t)
+    else:
+      time.sleep(max(0.0, t - self.now()))
+
+  # --- requests ------------------------------------------------------------------------------
+  def add_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
+                  *, request_id=None, arrival_time: Optional[float] = None,
+                  deadline_s: Optional[float] = None, priority: int = 0,
+                  prompt: Optional[str] = None) -> Request:
+    """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run."""
+    sampling = sampling or SamplingParams()
+    ids = [int(t) for t in prompt_token_ids]
+    self._check(len(ids), sampling)
+    if request_id is None:
+      request_id = self._next_id
+      self._next_id += 1
+    if request_id in self.requests:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    seed = sampling.seed if sampling.seed is not None else int(np.random.randint(2**31))
+    r = Request(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
+                arrival_time=self.now() if arrival_time is None else arrival_time,
+                deadline_s=deadline_s, priority=priority, seed=seed, prompt=prompt)
+    self.requests[request_id] = r
+    self.scheduler.add(r)
+    return r
+
+  def _check(self, n_prompt: int, sp: SamplingParams) -> None:
+    if n_prompt < 1:
+      raise RequestTooLargeError("empty prompt: at least one token is needed")
+    total = n_prompt + sp.max_tokens
+    if total > self.max_model_len:
+      raise RequestTooLargeError(
+          f"prompt of {n_prompt} tokens + max_tokens {sp.max_tokens} = {total} exceeds the "
+          f"context window of {self.max_model_len} tokens")
+    if self.config.policy != "chunked" and n_prompt > self.buckets.max_tokens:
+      raise RequestTooLargeError(
+          f"prompt of {n_prompt} tokens is longer than the largest bucket of "
+          f"{self.buckets.max_tokens} tokens per step (use the chunked policy)")
+    pages = self.pm.pages_for(total - 1)
+    if pages > self.buckets.max_pages:
+      raise RequestTooLargeError(
+          f"request needs {pages} pages, more than the largest bucket of "
+          f"{self.buckets.max_pages} pages per request")
+    if pages > self.pm.num_pages:
+      raise RequestTooLargeError(
+          f"request needs {pages} KV pages ({total - 1} tokens) but the pool has only "
+          f"{self.pm.num_pages} pages of {self.pm.page_size} tokens")
+
+  def abort(self, request_id) -> None:
+    self.scheduler.abort(self.requests[request_id], self.now())
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_work() or self._in_flight is not None
+
+  # --- steps ---------------------------------------------------------------------------------
+  def launch(self) -> Optional[InFlight]:
+    """Schedule and start one step. None when nothing can run now."""
+    assert self._in_flight is None, "finish() the step in flight first"
+    now = self.now()
+    plan = self.scheduler.schedule(now)
+    if plan.empty:
+      return None
+    ex = self.executor
+    if plan.offloads:
+      ex.offload_pages(plan.offloads)
+    if plan.fetches:
+      ex.fetch_pages(plan.fetches)
+    if plan.copies:
+      ex.copy_pages(plan.copies)
+    works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
+                     page_table=self.pm.page_table(s.request.request_id),
+                     num_logits=int(s.samples), temperature=s.request.sampling.temperature,
+                     top_k=s.request.sampling.top_k, top_p=s.request.sampling.top_p,
+                     seed=s.request.seed, sample_index=len(s.request.output_token_ids))
+             for s in plan.seqs]
+    if ex.virtual_clock:
+      step = None
+      b = self.buckets.select(plan.num_tokens, len(works),
+                              max(self.pm.pages_for(w.cached_len + len(w.token_ids)) for w in works),
+                              max(len(w.token_ids) for w in works))
+    else:
+      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
+      b = step.bucket
+    step_id = self.pm.begin_step([s.request.request_id for s in plan.seqs])
+    handle = ex.launch(step, plan) if hasattr(ex, "launch") else ex.execute(step, plan)
+    self._in_flight = InFlight(plan, handle, step_id, now,
+                               (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len),
+                               b.num_tokens - plan.num_tokens)
+    return self._in_flight
+
+  def finish(self, f: InFlight) -> List[TokenEvent]:
+    ex = self.executor
+    result = ex.collect(f.handle) if hasattr(ex, "collect") else f.handle
+    if ex.virtual_clock:
+      self._vclock = f.start + result.duration_s
+    end = self.now()
+    self.pm.complete_step(f.step_id)
+    self._in_flight = None
+    sampled = [(result.packed[i, 0], result.packed[i, 1])
+               for i in range(sum(s.samples for s in f.plan.seqs))]
+    emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
+    n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
+    self.steps.append(StepRecord(len(self.steps), f.start, end - f.start, len(f.plan.seqs),
+                                 n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
+                                 len(f.plan.preempted)))
+    return [TokenEvent(r.request_id, r.output_token_ids[-1], r.logprobs[-1], end,
+                       r.state.done, r.finish_reason) for r in emitted]
+
+  def step(self) -> List[TokenEvent]:
+    """One iteration; if nothing can run, wait for the next arrival first."""
+    f = self.launch()
+    if f is None:
+      nxt = self.scheduler.next_arrival()
+      if nxt is None:
+        return []
+      self._wait_until(nxt)
+      f = self.launch()
+      if f is None:
+        return []
+    return self.finish(f)
+
+  def stream(self) -> Iterator[TokenEvent]:
+    while self.has_unfinished():
+      yield from self.step()
+
+  def run(self) -> List[Request]:
+    for _ in self.stream():
+      pass
+    return list(self.requests.values())
+
+  def metrics(self, correct=None) -> Dict:
+    return summarize(list(self.requests.values()), self.steps, correct)
+
+  # --- deadline estimate from the simulator's step model (8.6.1) ---------------------------------
+  def _estimate_from_step_model(self, r: Request, batch: int) -> float:
+    model = self.executor.model
+    pending = r.num_pending
+    t_prefill = model.step_time([(pending, r.num_computed)])
+    ctx = r.num_tokens
+    t_round = model.step_time([(1, ctx)] * batch)
+    return t_prefill + (r.sampling.max_tokens - 1) * t_round

@@ -1,0 +1,113 @@
+"""Request: its own input, output, stop condition and timestamps (8.1).
+
+States: WAITING -> RUNNING (prefill, then decode) -> FINISHED | CANCELLED | REJECTED;
+a preempted request goes back to WAITING and later recomputes its prompt plus the
+tokens it already produced (8.3.2). Times are on the engine's clock (wall or virtual),
+measured from the scheduled arrival (8.6.2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import List, Optional
+
+from jaxinfer.config import SamplingParams
+
+
+class State(enum.Enum):
+  WAITING = "waiting"
+  PREFILL = "running_prefill"
+  DECODE = "running_decode"
+  FINISHED = "finished"
+  CANCELLED = "cancelled"
+  REJECTED = "rejected"
+
+  @property
+  def done(self) -> bool:
+    return self in (State.FINISHED, State.CANCELLED, State.REJECTED)
+
+
+_ALLOWED = {
+    State.WAITING: {State.PREFILL, State.CANCELLED, State.REJECTED},
+    State.PREFILL: {State.PREFILL, State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED},
+    State.DECODE: {State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED},
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  request_id: object
+  prompt_token_ids: List[int]
+  sampling: SamplingParams
+  arrival_time: float = 0.0  # scheduled arrival
+  deadline_s: Optional[float] = None  # arrival -> last token
+  priority: int = 0  # lower runs first
+  seed: int = 0
+  prompt: Optional[str] = None
+
+  state: State = State.WAITING
+  output_token_ids: List[int] = dataclasses.field(default_factory=list)
+  logprobs: List[float] = dataclasses.field(default_factory=list)
+  num_computed: int = 0  # tokens whose K/V are in this request's pages
+  admitted_at: Optional[float] = None
+  first_admitted_at: Optional[float] = None
+  token_times: List[float] = dataclasses.field(default_factory=list)
+  finished_at: Optional[float] = None
+  finish_reason: Optional[str] = None  # stop | length | abort | rejected
+  reject_reason: Optional[str] = None
+  text: str = ""
+  num_preemptions: int = 0
+  recomputed_tokens: int = 0  # extra tokens scheduled because of preemption
+  cached_tokens: int = 0  # prompt tokens served by the prefix cache
+  prefix_nodes: list = dataclasses.field(default_factory=list)
+
+  def set_state(self, new: State) -> None:
+    if new not in _ALLOWED.get(self.state, ()):
+      raise RuntimeError(f"request {self.request_id}: illegal transition {self.state} -> {new}")
+    self.state = new
+
+  @property
+  def all_token_ids(self) -> List[int]:
+    return self.prompt_token_ids + self.output_token_ids
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def kv_tokens_at_end(self) -> int:
+    """L + G - 1: the last output token's K/V is never written (8.1)."""
+    return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
+
+  @property
+  def num_pending(self) -> int:
+    """Known tokens whose K/V are not computed yet: the prompt (or prompt + outputs after
+    a preemption) during prefill, the last output token during decode."""
+    return self.num_tokens - self.num_computed
+
+  @property
+  def in_prefill(self) -> bool:
+    return not self.output_token_ids or self.num_pending > 1
+
+  @property
+  def ttft(self) -> Optional[float]:
+    return self.token_times[0] - self.arrival_time if self.token_times else None
+
+  @property
+  def itls(self) -> List[float]:
+    return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+  @property
+  def latency(self) -> Optional[float]:
+    return None if self.finished_at is None else self.finished_at - self.arrival_time
+
+  @property
+  def queueing(self) -> Optional[float]:
+    return None if self.first_admitted_at is None else self.first_admitted_at - self.arrival_time
+
+  @property
+  def on_time(self) -> bool:
+    if self.deadline_s is None:
+      return self.state == State.FINISHED
+    return (self.state == State.FINISHED and self.finished_at is not None and
+            self.finished_at - self.arrival_time <= self.deadline_s + 1e-12)

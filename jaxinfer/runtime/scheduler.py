@@ -1,0 +1,322 @@
+"""Scheduler: who runs each iteration, which tokens, which pages (8.1, 8.2, 8.3.2, 8.6.1).
+
+Policies (8.2.2):
+  fixed       admit a group when nothing runs; retire it as a whole
+  continuous  re-form the batch every iteration; a prefill runs whole
+  chunked     continuous, decode of running requests first, then prefill chunks of at
+              most `chunk_size` within the per-iteration token budget
+A step is a list of (request, new tokens): a decode is a one-token chunk whose logits
+are sampled; a prefill chunk samples only when it reaches the end of the known tokens.
+
+Admission reserves the KV a request needs at the end of generation (reserve="end",
+8.1), so memory never runs out mid-generation; with reserve="none" pages are taken as
+needed and, when the pool runs out, the scheduler **preempts** the lowest-priority,
+latest-arrived running request: its pages are freed and it later recomputes its prompt
+and the tokens it produced (counted in `recomputed_tokens`). Prefix-cache hits skip the
+cached part of the prompt. Host-side only; imports no JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from jaxinfer.runtime.pages import PageManager
+from jaxinfer.runtime.prefix_cache import PrefixCache
+from jaxinfer.runtime.request import Request, State
+
+POLICIES = ("fixed", "continuous", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  policy: str = "chunked"
+  max_running: int = 16
+  token_budget: int = 512  # new tokens per iteration (8.2.4)
+  chunk_size: int = 512
+  reserve: str = "end"  # "end": L + G - 1 at admission (8.1) | "none": preempt when short
+  deadline_admission: bool = False  # 8.6.1: reject early what cannot finish in time
+  cache_key: Tuple[str, str, str] = ("model", "", "f32")  # (model, adapter, KV format)
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ValueError(f"unknown scheduling policy {self.policy!r}; choose one of {POLICIES}")
+    if self.reserve not in ("end", "none"):
+      raise ValueError(f"reserve must be 'end' or 'none', got {self.reserve!r}")
+    for name in ("max_running", "token_budget", "chunk_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+  request: Request
+  start: int  # first new token's position (= tokens already computed)
+  num_tokens: int  # new tokens this step
+
+  @property
+  def token_ids(self) -> List[int]:
+    return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+
+  @property
+  def samples(self) -> bool:
+    return self.start + self.num_tokens == self.request.num_tokens
+
+  @property
+  def is_prefill(self) -> bool:
+    return self.num_tokens > 1 or not self.request.output_token_ids
+
+
+@dataclasses.dataclass
+class StepPlan:
+  seqs: List[ScheduledSeq]
+  copies: List[Tuple[int, int]]  # copy-on-write page copies before the step
+  fetches: List[Tuple[int, int]]  # host-tier (slot, page) fetches before the step
+  offloads: List[Tuple[int, int]]  # (page, slot) to save to the host tier before reuse
+  preempted: List[Request]
+  rejected: List[Request]
+  now: float
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(s.num_tokens for s in self.seqs)
+
+  @property
+  def empty(self) -> bool:
+    return not self.seqs
+
+
+class Scheduler:
+
+  def __init__(self, config: SchedulerConfig, pages: PageManager,
+               prefix_cache: Optional[PrefixCache] = None, *, max_step_tokens: int = 1 << 30,
+               max_step_requests: int = 1 << 30,
+               estimate_time: Optional[Callable[[Request, int], float]] = None):
+    """max_step_tokens / max_step_requests: the largest bucket's sizes.
+    estimate_time(request, batch_size): predicted seconds to finish the request from now
+    (for deadline-aware admission; from the step-time model)."""
+    self.config = config
+    self.pm = pages
+    self.cache = prefix_cache
+    self.max_step_tokens = max_step_tokens
+    self.max_step_requests = max_step_requests
+    self.estimate_time = estimate_time
+    self.waiting: List[Request] = []
+    self.running: List[Request] = []
+    self._order = itertools.count()
+    self._key = {}
+    self.num_preemptions = 0
+
+  # --- queue ----------------------------------------------------------------------------
+  def add(self, r: Request) -> None:
+    self._key[r.request_id] = (r.priority, r.arrival_time, next(self._order))
+    self.waiting.append(r)
+    self.waiting.sort(key=lambda x: self._key[x.request_id])
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def next_arrival(self) -> Optional[float]:
+    return min((r.arrival_time for r in self.waiting), default=None)
+
+  def abort(self, r: Request, now: float) -> None:
+    """Stop scheduling at once; pages return once in-flight steps complete (8.3.2)."""
+    if r.state.done:
+      return
+    if r in self.waiting:
+      self.waiting.remove(r)
+    if r in self.running:
+      self.running.remove(r)
+      self._release(r)
+    r.set_state(State.CANCELLED)
+    r.finish_reason, r.finished_at = "abort", now
+
+  # --- one iteration ----------------------------------------------------------------------
+  def schedule(self, now: float) -> StepPlan:
+    cfg = self.config
+    plan = StepPlan([], [], [], [], [], [], now)
+    budget = min(cfg.token_budget, self.max_step_tokens)
+    chunked = cfg.policy == "chunked"
+
+    # 1. Running requests: decode first (8.2.2), then unfinished prefills.
+    for r in sorted(self.running, key=lambda x: x.in_prefill):
+      if r not in self.running or len(plan.seqs) >= self.max_step_requests:
+        continue
+      n = self._chunk(r, budget, chunked, first=not plan.seqs)
+      if n == 0:
+        continue
+      if not self._grow(r, n, plan):
+        continue  # r itself was preempted
+      plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
+      budget -= n
+
+    # 2. Admissions.
+    if cfg.policy == "fixed" and self.running:
+      return plan  # a fixed group runs to completion before the next is admitted
+    for r in list(self.waiting):
+      if r.arrival_time > now:
+        continue
+      if len(self.running) >= cfg.max_running or len(plan.seqs) >= self.max_step_requests:
+        break
+      if chunked and budget <= 0:
+        break
+      if not chunked and plan.seqs and min(r.num_pending, self.max_step_tokens) > budget:
+        break  # a whole prefill that does not fit waits for the next iteration
+      if cfg.deadline_admission and self._misses_deadline(r, now):
+        self.waiting.remove(r)
+        r.set_state(State.REJECTED)
+        r.finish_reason, r.reject_reason, r.finished_at = "rejected", "deadline", now
+        plan.rejected.append(r)
+        continue
+      if not self._admit(r, plan):
+        break  # first come, first served: the head waits for memory
+      n = self._chunk(r, budget, chunked, first=not plan.seqs)
+      if n == 0 or not self._grow(r, n, plan):
+        continue
+      plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
+      budget -= n
+    return plan
+
+  def _chunk(self, r: Request, budget: int, chunked: bool, first: bool) -> int:
+    pending = r.num_pending
+    if pending == 1:
+      return 1 if budget >= 1 or first else 0
+    n = min(pending, self.max_step_tokens)
+    if chunked:
+      n = min(n, self.config.chunk_size, budget)
+    elif n > budget and not first:
+      return 0  # a whole prefill that does not fit waits for the next iteration
+    return max(n, 0)
+
+  def _misses_deadline(self, r: Request, now: float) -> bool:
+    if r.deadline_s is None or self.estimate_time is None:
+      return False
+    finish = now + self.estimate_time(r, len(self.running) + 1)
+    return finish > r.arrival_time + r.deadline_s
+
+  # --- memory -----------------------------------------------------------------------------
+  def _admit(self, r: Request, plan: StepPlan) -> bool:
+    cfg, pm = self.config, self.pm
+    nodes, hit = [], 0
+    if self.cache is not None:
+      m = self.cache.match(cfg.cache_key, r.all_token_ids, max_tokens=r.num_tokens - 1)
+      nodes = m.nodes[:m.restore_tokens // pm.page_size]
+      hit = len(nodes) * pm.page_size
+    reserve = r.kv_tokens_at_end if cfg.reserve == "end" else 0
+    host = [n for n in nodes if not n.on_device]
+    while True:
+      need = max(pm.pages_for(reserve) - len(nodes), 0) + len(host)
+      if need <= pm.num_available:
+        break
+      if self.cache is None or self.cache.evict(need - pm.num_available) == 0:
+        return False
+    if host:
+      self.cache.lock(nodes)
+      fetched = self.cache.fetch(host)
+      if fetched is None:
+        self.cache.unlock(nodes)
+        return False
+      plan.fetches.extend(fetched)
+      self.cache.unlock(nodes)
+    ok = pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve)
+    if not ok:
+      return False
+    if self.cache is not None:
+      self.cache.lock(nodes)
+      plan.offloads.extend(self.cache.pending_offloads)
+      self.cache.pending_offloads.clear()
+    r.prefix_nodes = nodes
+    r.num_computed = hit
+    if not r.output_token_ids:
+      r.cached_tokens = hit
+    self.waiting.remove(r)
+    self.running.append(r)
+    r.set_state(State.PREFILL)
+    r.admitted_at = plan.now
+    if r.first_admitted_at is None:
+      r.first_admitted_at = plan.now
+    return True
+
+  def _grow(self, r: Request, n: int, plan: StepPlan) -> bool:
+    """Pages for r's next n tokens; evict cache pages, then preempt others if short.
+    False if r itself had to be preempted."""
+    while True:
+      copies = self.pm.grow(r.request_id, r.num_computed + n)
+      if copies is not None:
+        plan.copies.extend(copies)
+        # grow() records the tokens as written; postprocess advances num_computed.
+        return True
+      short = max(1, self.pm.pages_for(r.num_computed + n) - len(self.pm.page_table(r.request_id)))
+      if self.cache is not None and self.cache.evict(short) > 0:
+        plan.offloads.extend(self.cache.pending_offloads)
+        self.cache.pending_offloads.clear()
+        continue
+      victim = self._victim(plan)
+      if victim is None:
+        victim = r
+      self._preempt(victim, plan)
+      if victim is r:
+        return False
+
+  def _victim(self, plan: StepPlan) -> Optional[Request]:
+    scheduled = {id(s.request) for s in plan.seqs}
+    cands = [x for x in self.running if id(x) not in scheduled]
+    if not cands:
+      return None
+    return max(cands, key=lambda x: self._key[x.request_id])  # lowest priority, latest
+
+  def _preempt(self, r: Request, plan: StepPlan) -> None:
+    """Free r's KV; it waits again and later recomputes prompt + outputs (8.3.2)."""
+    self.running.remove(r)
+    r.recomputed_tokens += r.num_computed - r.cached_tokens
+    self._release(r)
+    r.num_computed = 0
+    r.num_preemptions += 1
+    self.num_preemptions += 1
+    r.set_state(State.WAITING)
+    self.waiting.insert(0, r)
+    self.waiting.sort(key=lambda x: self._key[x.request_id])
+    plan.preempted.append(r)
+
+  def _release(self, r: Request) -> None:
+    if self.cache is not None and r.prefix_nodes:
+      self.cache.unlock(r.prefix_nodes)
+    r.prefix_nodes = []
+    if self.pm.has(r.request_id):
+      self.pm.free(r.request_id)
+
+  # --- after the step ---------------------------------------------------------------------
+  def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float]], now: float,
+                  stop_check: Callable[[Request], Optional[str]]) -> List[Request]:
+    """Apply a step's results. `sampled` has one (token, logprob) per sampling seq, in
+    plan order. Returns requests that got a token (finished ones included)."""
+    it = iter(sampled)
+    emitted = []
+    for s in plan.seqs:
+      r = s.request
+      tok = next(it) if s.samples else None
+      if r.state.done or r not in self.running:
+        continue  # aborted or preempted while the step ran
+      r.num_computed = s.start + s.num_tokens
+      if tok is None:
+        continue
+      r.output_token_ids.append(int(tok[0]))
+      r.logprobs.append(float(tok[1]))
+      r.token_times.append(now)
+      if r.state == State.PREFILL:
+        r.set_state(State.DECODE)
+      reason = stop_check(r)
+      if reason is not None:
+        self._finish(r, reason, now)
+      emitted.append(r)
+    return emitted
+
+  def _finish(self, r: Request, reason: str, now: float) -> None:
+    self.running.remove(r)
+    if self.cache is not None:
+      # Offer the computed full pages (the last output's K/V is never written).
+      self.cache.insert(self.config.cache_key, r.all_token_ids[:r.num_computed],
+                        self.pm.page_table(r.request_id))
+    self._release(r)
+    r.set_state(State.FINISHED)
+    r.finish_reason, r.finished_at = reason, now
