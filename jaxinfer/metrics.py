@@ -21,6 +21,7 @@ class StepRecord:
   padded_tokens: int  # bucket tokens - real tokens (8.2.4 padding waste)
   bucket: tuple
   num_preempted: int = 0
+  members: list = dataclasses.field(default_factory=list)  # (request id, tokens, is_prefill)
 
   @property
   def end(self) -> float:

@@ -217,7 +217,9 @@ class Engine:
     n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
     self.steps.append(StepRecord(len(self.steps), f.start, end - f.start, len(f.plan.seqs),
                                  n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
-                                 len(f.plan.preempted)))
+                                 len(f.plan.preempted),
+                                 [(s.request.request_id, s.num_tokens, s.is_prefill)
+                                  for s in f.plan.seqs]))
     return [TokenEvent(r.request_id, r.output_token_ids[-1], r.logprobs[-1], end,
                        r.state.done, r.finish_reason) for r in emitted]
 

@@ -1,0 +1,45 @@
+"""Request traces for the studies: named scenarios and JSON traces.
+
+A trace is a list of dicts {arrival_ms, input_tokens, output_tokens[, shared_prefix]}.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+# SPEC 8.2.2: r0 and r1 at t = 0 (2048 in; 8 and 2 out), r2 at 20 ms (8192 in, 2 out),
+# r3 at 30 ms (2048 in, 4 out); at most 2 requests run at once.
+CH8_2_2 = [
+    {"arrival_ms": 0.0, "input_tokens": 2048, "output_tokens": 8},
+    {"arrival_ms": 0.0, "input_tokens": 2048, "output_tokens": 2},
+    {"arrival_ms": 20.0, "input_tokens": 8192, "output_tokens": 2},
+    {"arrival_ms": 30.0, "input_tokens": 2048, "output_tokens": 4},
+]
+
+# SPEC 8.2.4: six requests arriving every 80 ms (2048 in, 64 out).
+CH8_2_4 = [{"arrival_ms": 80.0 * i, "input_tokens": 2048, "output_tokens": 64} for i in range(6)]
+
+WORKLOADS = {"ch8_2_2": CH8_2_2, "ch8_2_4": CH8_2_4}
+
+
+def load_workload(name_or_path: str) -> List[Dict]:
+  if name_or_path in WORKLOADS:
+    return [dict(r) for r in WORKLOADS[name_or_path]]
+  if os.path.isfile(name_or_path):
+    with open(name_or_path) as f:
+      trace = json.load(f)
+    for i, r in enumerate(trace):
+      for k in ("arrival_ms", "input_tokens", "output_tokens"):
+        if k not in r:
+          raise ValueError(f"trace entry {i} lacks {k!r}: {r}")
+    return trace
+  raise ValueError(f"unknown workload {name_or_path!r}: not one of {sorted(WORKLOADS)} "
+                   "and no such JSON file")
+
+
+def scale(trace: List[Dict], tokens: float, time: float) -> List[Dict]:
+  """Scale a trace down for the real model on a CPU (lengths and arrival times)."""
+  return [dict(r, arrival_ms=r["arrival_ms"] * time,
+               input_tokens=max(1, int(round(r["input_tokens"] * tokens))))
+          for r in trace]

@@ -1,0 +1,143 @@
+"""Scheduler and engine on the simulated clock (no model): policies, budget, memory."""
+import pytest
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor, causal_pairs
+from jaxinfer.runtime.engine import Engine, RequestTooLargeError
+from jaxinfer.runtime.request import State
+from jaxinfer.runtime.scheduler import SchedulerConfig
+
+BIG = 1 << 20
+TRACE = [(0.0, 2048, 8), (0.0, 2048, 2), (0.020, 8192, 2), (0.030, 2048, 4)]  # SPEC 8.2.2
+
+
+def engine(policy="chunked", budget=4096, chunk=2048, max_running=2, num_pages=5461,
+           page_size=16, reserve="end", **kw):
+  ex = SimExecutor(AffineStepModel(), num_pages=num_pages, page_size=page_size)
+  cfg = SchedulerConfig(policy, max_running, budget, chunk, reserve=reserve)
+  return Engine(ex, cfg, buckets=BucketTable.default(16384, 64, 4096), **kw)
+
+
+def run(eng, trace):
+  for i, (t, n_in, n_out) in enumerate(trace):
+    eng.add_request([7] * n_in, SamplingParams(max_tokens=n_out, ignore_eos=True), request_id=i,
+                    arrival_time=t)
+  return eng.run()
+
+
+def test_affine_model_matches_spec():
+  m = AffineStepModel()
+  assert m.step_time([(2048, 0)]) == pytest.approx(94.8e-3, abs=0.05e-3)  # lone 2K prefill
+  assert m.step_time([(1, 2048)]) == pytest.approx(26.26e-3, abs=0.01e-3)  # decode at 2K
+  assert causal_pairs(3, 10) == 3 * 10 + 6
+
+
+@pytest.mark.parametrize("policy,budget,makespan,max_itl", [
+    ("fixed", BIG, 870.5, 26.3),
+    ("continuous", BIG, 765.6, 376.0),
+    ("chunked", 4096, 844.3, 132.6),
+])
+def test_ch8_2_2_scenario(policy, budget, makespan, max_itl):
+  """Hand-computed from the affine model: e.g. continuous admits r2's whole 8K prefill
+  next to r0's decode (26.22 + 0.0304 x 8193 + 3e-6 x pairs = 376.0 ms gap); chunked
+  splits it into four 2048-token chunks, the largest costing 132.6 ms."""
+  reqs = run(engine(policy, budget=budget, chunk=2048 if policy == "chunked" else BIG), TRACE)
+  assert 1e3 * max(r.finished_at for r in reqs) == pytest.approx(makespan, abs=0.1)
+  assert 1e3 * max(x for r in reqs for x in r.itls) == pytest.approx(max_itl, abs=0.1)
+  assert [len(r.output_token_ids) for r in reqs] == [8, 2, 2, 4]
+
+
+def test_decode_first_and_budget_never_exceeded():
+  eng = engine("chunked", budget=1000, chunk=700, max_running=4)
+  run(eng, [(0.0, 3000, 6), (0.0, 2500, 6), (0.01, 1200, 3), (0.02, 64, 5)])
+  for s in eng.steps:
+    assert s.num_prefill_tokens + s.num_decode_tokens <= 1000
+    kinds = [is_prefill for _, _, is_prefill in s.members]
+    assert kinds == sorted(kinds), "decode tokens are scheduled before prefill chunks"
+  assert all(r.state == State.FINISHED for r in eng.requests.values())
+
+
+def test_fixed_batching_retires_whole_groups():
+  eng = engine("fixed", budget=BIG, chunk=BIG, max_running=2)
+  reqs = run(eng, [(0.0, 100, 10), (0.0, 100, 1), (0.0, 100, 1)])
+  assert reqs[2].first_admitted_at >= reqs[0].finished_at  # waits for the whole group
+
+
+def test_admission_reserves_kv_to_end_of_generation():
+  """8.1: 10 pages of 16 tokens; each request reserves ceil((100 + 40 - 1) / 16) = 9."""
+  eng = engine("continuous", budget=BIG, chunk=BIG, max_running=8, num_pages=10)
+  reqs = run(eng, [(0.0, 100, 40), (0.0, 100, 40)])
+  assert reqs[1].first_admitted_at >= reqs[0].finished_at
+  assert eng.scheduler.num_preemptions == 0
+  assert eng.pm.num_free == 10
+
+
+def test_preemption_when_kv_runs_out():
+  """reserve='none': requests start with what they need now; when the pool runs out the
+  latest arrival is preempted, requeued and recomputed from prompt + outputs."""
+  eng = engine("continuous", budget=BIG, chunk=BIG, max_running=8, num_pages=12, reserve="none")
+  reqs = run(eng, [(0.0, 64, 60), (0.0, 64, 60), (0.001, 64, 60)])
+  assert eng.scheduler.num_preemptions > 0
+  assert sum(r.recomputed_tokens for r in reqs) > 0
+  assert all(r.state == State.FINISHED and len(r.output_token_ids) == 60 for r in reqs)
+  assert eng.pm.num_free == 12
+
+
+def test_abort_releases_pages_after_in_flight_step():
+  eng = engine("chunked")
+  r = eng.add_request([5] * 100, SamplingParams(max_tokens=50, ignore_eos=True))
+  eng.step()
+  f = eng.launch()  # a decode step of r is in flight
+  eng.abort(r.request_id)
+  assert r.state == State.CANCELLED
+  assert eng.pm.num_pending > 0  # not reusable while the step reads them
+  eng.finish(f)
+  assert eng.pm.num_pending == 0 and eng.pm.num_free == eng.pm.num_pages
+  assert not eng.has_unfinished()
+
+
+def test_rejected_request_leaves_engine_healthy():
+  eng = engine("continuous", budget=BIG, chunk=BIG, num_pages=8)
+  with pytest.raises(RequestTooLargeError, match="pool has only 8 pages"):
+    eng.add_request([1] * 200, SamplingParams(max_tokens=10))
+  with pytest.raises(RequestTooLargeError, match="context window"):
+    Engine(eng.executor, eng.config, buckets=eng.buckets, max_model_len=64).add_request(
+        [1] * 60, SamplingParams(max_tokens=10))
+  assert not eng.requests
+  reqs = run(eng, [(0.0, 20, 3)])
+  assert reqs[0].state == State.FINISHED
+
+
+def test_deadline_aware_admission_rejects_early():
+  ex = SimExecutor(AffineStepModel(), num_pages=5000, page_size=16)
+  eng = Engine(ex, SchedulerConfig("continuous", 1, BIG, BIG, deadline_admission=True),
+               buckets=BucketTable.default(16384, 64, 4096))
+  a = eng.add_request([1] * 2048, SamplingParams(max_tokens=100, ignore_eos=True), deadline_s=7.0)
+  b = eng.add_request([1] * 2048, SamplingParams(max_tokens=100, ignore_eos=True), deadline_s=3.0)
+  eng.run()
+  assert a.state == State.FINISHED and a.on_time
+  # b waits for a (~2.7 s), then could not finish 100 tokens by 3 s: rejected, not started.
+  assert b.state == State.REJECTED and b.reject_reason == "deadline" and not b.output_token_ids
+  m = eng.metrics()
+  assert m["num_good"] == 1 and m["num_rejected"] == 1
+
+
+def test_prefix_cache_skips_cached_prompt():
+  eng = engine("chunked", prefix_cache=True)
+  shared = list(range(1000, 1000 + 640))
+  a = eng.add_request(shared + [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+  eng.run()
+  b = eng.add_request(shared + [4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+  eng.run()
+  assert a.cached_tokens == 0 and b.cached_tokens == 640
+  assert eng.metrics()["prefix_cached_tokens"] == 640
+
+
+def test_littles_law_and_goodput_fields():
+  eng = engine("chunked", max_running=4)
+  run(eng, [(0.01 * i, 300, 5) for i in range(8)])
+  m = eng.metrics()
+  assert m["littles_law"]["mean_in_system"] == pytest.approx(m["littles_law"]["lambda_times_T"])
+  assert m["num_finished"] == 8 and m["goodput_rps"] == m["completion_rps"]
+  assert m["itl_s"]["p50"] <= m["itl_s"]["p99"] <= m["itl_s"]["max"]
