@@ -17,7 +17,7 @@ host slot, fetch host slot -> page) are returned for the executor to perform.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import heapq
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from jaxinfer.runtime.pages import PageManager
@@ -95,7 +95,7 @@ class PrefixCache:
     self.maintenance_time = maintenance_time
     self.page_mib = page_mib
     self._roots: Dict[CacheKey, Node] = {}
-    self._clock = itertools.count(1)
+    self._now = 0  # logical clock: one tick per lookup / insert
     self.stats = CacheStats()
     self.pending_offloads: List[Tuple[int, int]] = []  # (device page, host slot)
 
@@ -110,7 +110,8 @@ class PrefixCache:
     """Longest cached page-aligned prefix of token_ids (at most max_tokens tokens)."""
     limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
     node, nodes, ps = self._root(key), [], self.page_size
-    now = next(self._clock)
+    self._now += 1
+    now = self._now
     for i in range(limit // ps):
       child = node.children.get(tuple(token_ids[i * ps:(i + 1) * ps]))
       if child is None or (child.page is None and child.host_slot is None):
@@ -171,7 +172,8 @@ class PrefixCache:
     n_full = min(len(token_ids) // ps, len(pages))
     if n_full == 0 or not self.admission(n_full):
       return 0
-    node, added, now = self._root(key), 0, next(self._clock)
+    self._now += 1
+    node, added, now = self._root(key), 0, self._now
     for i in range(n_full):
       t = tuple(token_ids[i * ps:(i + 1) * ps])
       child = node.children.get(t)
@@ -217,7 +219,7 @@ class PrefixCache:
   def value_per_mib(self, n: Node) -> float:
     """8.3.4: V_h = p_h (T_r - T_f) - T_m, per MiB kept. T_r: recomputing this page at its
     depth (prefill grows super-linearly, so deep pages are worth more)."""
-    age = max(next(self._clock) - n.created, 1)
+    age = max(self._now - n.created, 1)
     p_h = min(n.hits / age, 1.0)  # observed hit rate since insertion
     t_r = self.recompute_time(n.depth) - self.recompute_time(n.depth - self.page_size)
     t_f = self.fetch_time_per_page if self.host_capacity else 0.0
@@ -230,13 +232,19 @@ class PrefixCache:
 
   def evict(self, num_pages: int) -> int:
     """Release up to num_pages device pages from unlocked leaves (offloading them to the
-    host tier when it has room). Returns pages released to the page manager."""
+    host tier when it has room). Returns pages released to the page manager.
+    One scan builds a heap of evictable leaves; a parent joins it once its last device
+    child is gone."""
+    if num_pages <= 0:
+      return 0
+    heap = [(self._rank(n), id(n), n) for n in self._nodes() if self._device_evictable(n)]
+    heapq.heapify(heap)
     freed = 0
-    while freed < num_pages:
-      cands = [n for n in self._nodes() if self._device_evictable(n)]
-      if not cands:
-        break
-      victim = min(cands, key=self._rank)
+    while freed < num_pages and heap:
+      _, _, victim = heapq.heappop(heap)
+      if not self._device_evictable(victim):
+        continue
+      parent = victim.parent
       page = victim.page
       if self.host_capacity and not self._host_free:
         self._drop_host_leaf()
@@ -251,6 +259,8 @@ class PrefixCache:
       if victim.host_slot is None:
         self._remove(victim)
       freed += 1
+      if parent is not None and parent.parent is not None and self._device_evictable(parent):
+        heapq.heappush(heap, (self._rank(parent), id(parent), parent))
     return freed
 
   def _drop_host_leaf(self) -> None:
