@@ -1,0 +1,90 @@
+"""GGUF loading: every supported tensor type, and the llama Q/K row permutation undone."""
+import numpy as np
+import pytest
+
+from jaxinfer.loading import ModelLoadError, gguf_loader
+
+D, N, K, H, F, V, L = 64, 4, 2, 16, 96, 128, 2
+
+
+def _permute(w, n_head):
+  """What llama.cpp's converter does to HF q/k rows for its pairwise RoPE."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+def write_llama_gguf(path, qtype="F32", seed=0):
+  import gguf
+  from gguf import quants
+  rng = np.random.default_rng(seed)
+  hf = {"embed": rng.standard_normal((V, D)).astype(np.float32),
+        "norm": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(L)
+  w.add_context_length(256)
+  w.add_embedding_length(D)
+  w.add_feed_forward_length(F)
+  w.add_head_count(N)
+  w.add_head_count_kv(K)
+  w.add_rope_freq_base(10000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_vocab_size(V)
+  t = gguf.GGMLQuantizationType[qtype]
+
+  def add(name, arr):
+    if arr.ndim == 2 and qtype != "F32":
+      w.add_tensor(name, quants.quantize(arr, t), raw_dtype=t)
+    else:
+      w.add_tensor(name, arr)
+
+  add("token_embd.weight", hf["embed"])
+  w.add_tensor("output_norm.weight", hf["norm"])
+  for i in range(L):
+    lay = {n: rng.standard_normal(s).astype(np.float32) * 0.1 for n, s in
+           [("q", (N * H, D)), ("k", (K * H, D)), ("v", (K * H, D)), ("o", (D, N * H)),
+            ("gate", (F, D)), ("up", (F, D)), ("down", (D, F))]}
+    hf[i] = lay
+    add(f"blk.{i}.attn_q.weight", _permute(lay["q"], N))
+    add(f"blk.{i}.attn_k.weight", _permute(lay["k"], K))
+    add(f"blk.{i}.attn_v.weight", lay["v"])
+    add(f"blk.{i}.attn_output.weight", lay["o"])
+    add(f"blk.{i}.ffn_gate.weight", lay["gate"])
+    add(f"blk.{i}.ffn_up.weight", lay["up"])
+    add(f"blk.{i}.ffn_down.weight", lay["down"])
+    w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(D, np.float32))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(D, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return hf
+
+
+@pytest.mark.parametrize("qtype,tol", [("F32", 0), ("F16", 2e-3), ("BF16", 1e-2),
+                                       ("Q8_0", 1e-2), ("Q4_0", 0.2), ("Q4_1", 0.2)])
+def test_tensor_types_and_unpermute(tmp_path, qtype, tol):
+  path = str(tmp_path / f"tiny-{qtype}.gguf")
+  hf = write_llama_gguf(path, qtype)
+  params, cfg, _ = gguf_loader.load_gguf(path)
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (L, N, K, H)
+  assert cfg.tie_embeddings
+  for i in range(L):
+    got = params["layers"][i]
+    for ours, theirs in [("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o"), ("w_gate", "gate"),
+                         ("w_down", "down")]:
+      ref = hf[i][theirs].T  # [in, out]
+      err = np.abs(got[ours] - ref).max() / np.abs(ref).max()
+      assert err <= tol + 1e-7, (qtype, ours, err)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "Q8_0")
+  from gguf import quants
+
+  def refuse(data, qtype):
+    raise NotImplementedError(qtype)
+
+  monkeypatch.setattr(quants, "dequantize", refuse)
+  with pytest.raises(ModelLoadError, match="has type Q8_0.*re-export"):
+    gguf_loader.load_gguf(path)
