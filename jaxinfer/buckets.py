@@ -1,8 +1,10 @@
 """The one table of padded shapes (8.2.4: XLA's answer to captured CUDA graphs).
 
 Every jitted step runs at a shape taken from this table: tokens per step (T), request
-slots per step (R), pages per request (P) and query tokens per request (Q); logits rows
-are one per request slot (S = R). Padding looks the next size up with `bisect`; asking past the largest size raises
+slots per step (R), pages per request (P), prefill slots (Rp: the last Rp request slots
+may carry up to Q new tokens; the others carry one, a decode) and Q. Logits rows are one
+per request slot (S = R). Splitting the slots keeps a mixed step (many decodes + one
+prefill chunk) from paying R x Q attention work. Padding looks the next size up with `bisect`; asking past the largest size raises
 `BucketError` — nothing is ever truncated.
 """
 from __future__ import annotations
@@ -33,6 +35,11 @@ class Bucket:
   pages_per_request: int  # P
   max_query_len: int  # Q
   num_logits: int  # S
+  prefill_slots: int = 0  # Rp
+
+  @property
+  def attn_shape(self):
+    return (self.max_query_len, self.prefill_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +48,13 @@ class BucketTable:
   request_sizes: Tuple[int, ...]
   page_sizes: Tuple[int, ...]  # pages per request
   query_sizes: Tuple[int, ...] = ()  # default: (1,) + token sizes
+  prefill_slot_sizes: Tuple[int, ...] = ()  # default: powers of two up to max requests
 
   def __post_init__(self):
-    for name in ("token_sizes", "request_sizes", "page_sizes", "query_sizes"):
+    if not self.prefill_slot_sizes:
+      object.__setattr__(self, "prefill_slot_sizes", _pow2_upto(1, max(self.request_sizes)))
+    for name in ("token_sizes", "request_sizes", "page_sizes", "query_sizes",
+                 "prefill_slot_sizes"):
       v = tuple(sorted(set(getattr(self, name))))
       if any(x <= 0 for x in v):
         raise ValueError(f"{name} must be positive, got {v}")
@@ -77,27 +88,31 @@ class BucketTable:
   def max_pages(self) -> int:
     return self.page_sizes[-1]
 
-  def select(self, num_tokens: int, num_requests: int, max_pages: int,
-             max_query_len: int) -> Bucket:
+  def select(self, num_tokens: int, num_decode: int, max_pages: int,
+             max_query_len: int = 1, num_prefill: int = 0) -> Bucket:
+    """num_decode one-token requests plus num_prefill requests of up to max_query_len."""
     T = self._pick(self.token_sizes, num_tokens, "tokens per step")
-    Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
-    R = self._pick(self.request_sizes, num_requests, "requests per step")
+    if num_prefill:
+      Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
+      Rp = self._pick(self.prefill_slot_sizes, num_prefill, "prefill requests per step")
+    else:
+      Q, Rp = 1, 0
+    R = self._pick(self.request_sizes, num_decode + Rp, "requests per step")
     return Bucket(num_tokens=T, num_requests=R,
                   pages_per_request=self._pick(self.page_sizes, max(max_pages, 1),
                                                "pages per request"),
-                  max_query_len=Q, num_logits=R)
+                  max_query_len=Q, num_logits=R, prefill_slots=Rp)
 
   def all_buckets(self) -> Iterator[Bucket]:
-    """Every shape `select` can return (the warm-up set): R <= T and Q <= T, except
-    that a step of R one-token requests uses the smallest T >= R."""
+    """Every shape `select` can return (the warm-up set)."""
     seen = set()
-    for R, P, T, Q in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes,
-                                        self.query_sizes):
-      if Q > T:
-        continue
+    for R, P, T in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes):
       if T < R and T != self.token_sizes[-1]:
-        continue
-      b = Bucket(T, R, P, Q, R)
-      if b not in seen:
-        seen.add(b)
-        yield b
+        continue  # R one-token requests use the smallest T >= R
+      shapes = [(1, 0)] + [(min(Q, T), Rp) for Q in self.query_sizes
+                           for Rp in self.prefill_slot_sizes if Rp <= R and Q <= T]
+      for Q, Rp in shapes:
+        b = Bucket(T, R, P, Q, R, Rp)
+        if b not in seen:
+          seen.add(b)
+          yield b

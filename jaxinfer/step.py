@@ -15,8 +15,8 @@ from jaxinfer import sampling
 from jaxinfer.model import transformer
 
 
-def _step(params, pool, inputs, *, cfg, max_query_len, backend, return_logits):
-  logits, pool = transformer.forward(params, pool, inputs, cfg, max_query_len=max_query_len,
+def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
+  logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
                                      backend=backend)
   ids, lp = sampling.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"],
                             inputs["seed"], inputs["counter"])
@@ -26,7 +26,7 @@ def _step(params, pool, inputs, *, cfg, max_query_len, backend, return_logits):
   return packed, pool
 
 
-model_step = jax.jit(_step, static_argnames=("cfg", "max_query_len", "backend", "return_logits"),
+model_step = jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
                      donate_argnums=(1,))
 
 

@@ -24,7 +24,9 @@ def dense(q, k, v):
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_ragged_mix_with_nan_poisoned_pages(page_size):
+@pytest.mark.parametrize("prefill_slots", [None, 2])
+def test_ragged_mix_with_nan_poisoned_pages(page_size, prefill_slots):
+  """prefill_slots=2: slot 0 is a decode group, slots 1-2 the prefill group."""
   rng = np.random.default_rng()
   cfg = SMOLLM2_135M.replace(num_layers=1)
   num_pages = 24
@@ -55,7 +57,7 @@ def test_ragged_mix_with_nan_poisoned_pages(page_size):
   cached_len = np.array([c for c, _ in reqs], np.int32)
   out = np.asarray(ragged_paged_attention(
       jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), pool, 0, page_table, query_start,
-      query_len, cached_len, max_query_len=8))
+      query_len, cached_len, max_query_len=8, num_prefill_slots=prefill_slots))
   assert np.isfinite(out).all()
   for r, (cached, n) in enumerate(reqs):
     s = query_start[r]

@@ -10,15 +10,17 @@ from jaxinfer.runtime.batcher import SeqWork, pack
 def test_select_pads_up_and_all_buckets_cover_it():
   t = BucketTable(token_sizes=(4, 16, 64), request_sizes=(2, 8), page_sizes=(4, 16))
   warm = set(t.all_buckets())
-  for n_tok, n_req, pages, q in itertools.product(range(1, 65, 7), range(1, 9), (1, 5, 16),
-                                                  (1, 3, 16)):
-    if q > n_tok or n_req > n_tok:
+  for n_tok, n_dec, n_pre, pages, q in itertools.product(range(1, 65, 7), range(0, 7), (0, 1, 2),
+                                                         (1, 5, 16), (2, 3, 16)):
+    if n_dec + n_pre == 0 or n_dec + n_pre * q > n_tok:
       continue
-    b = t.select(n_tok, n_req, pages, q)
-    assert b.num_tokens >= n_tok and b.num_requests >= n_req and b.pages_per_request >= pages
-    assert b.max_query_len >= min(q, b.num_tokens)
-    assert b in warm
-  assert t.select(5, 1, 1, 1).num_tokens == 16
+    b = t.select(n_tok, n_dec, pages, q if n_pre else 1, n_pre)
+    assert b.num_tokens >= n_tok and b.pages_per_request >= pages
+    assert b.num_requests - b.prefill_slots >= n_dec and b.prefill_slots >= n_pre
+    if n_pre:
+      assert b.max_query_len >= min(q, b.num_tokens)
+    assert b in warm, b
+  assert t.select(5, 1, 1).num_tokens == 16
 
 
 def test_pack_is_padded_and_never_truncates():
@@ -29,5 +31,8 @@ def test_pack_is_padded_and_never_truncates():
   assert a["write_page"].tolist() == [5, 5, 5, 7, 10, 10, 10, 10]  # padding -> dropped page
   assert a["write_offset"][:4].tolist() == [0, 1, 2, 2]
   assert a["logits_idx"].tolist() == [2, 3]
+  # The decode work takes slot 0, the 3-token prefill work the last (prefill) slot.
+  assert step.bucket.prefill_slots == 1
+  assert a["query_len"].tolist() == [1, 3] and a["query_start"].tolist() == [3, 0]
   with pytest.raises(BucketError, match="tokens per step=9"):
     pack([SeqWork(list(range(9)), 0, [1, 2, 3])], t, page_size=4, num_pages=10)

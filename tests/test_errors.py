@@ -65,6 +65,6 @@ def test_bucket_overflow_is_an_error():
   from jaxinfer.buckets import BucketError, BucketTable
   t = BucketTable.default(max_tokens=64, max_requests=4, max_pages=8)
   with pytest.raises(BucketError, match="tokens per step=65 exceeds the largest bucket 64"):
-    t.select(65, 1, 1, 1)
+    t.select(65, 1, 1)
   with pytest.raises(BucketError, match="requests per step=5"):
-    t.select(5, 5, 1, 1)
+    t.select(5, 5, 1)

@@ -48,7 +48,7 @@ class JaxExecutor:
     """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
     t0 = time.perf_counter()
     out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
-                                max_query_len=step.bucket.max_query_len, backend=self.backend,
+                                attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=False)
     return out, t0
 
@@ -73,7 +73,7 @@ class JaxExecutor:
   def run(self, step: StepInput, return_logits: bool = False):
     """Returns packed [S, 2] float32 numpy (token id, logprob) rows (and logits)."""
     out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
-                                max_query_len=step.bucket.max_query_len, backend=self.backend,
+                                attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=return_logits)
     if return_logits:
       packed, logits = out
@@ -86,7 +86,7 @@ class JaxExecutor:
     for b in buckets:
       arrays = dummy_inputs(b, self.num_pages)
       _, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                max_query_len=b.max_query_len, backend=self.backend,
+                                attn_shape=b.attn_shape, backend=self.backend,
                                 return_logits=False)
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
@@ -95,7 +95,7 @@ class JaxExecutor:
 def dummy_inputs(b: Bucket, num_pages: int):
   """All-padding inputs of a bucket's shape (writes nothing: pages = num_pages)."""
   T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
-  z = lambda *s: np.zeros(s, np.int32)
+  z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
   return dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
               write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
               cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),

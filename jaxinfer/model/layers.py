@@ -40,7 +40,7 @@ def mlp(x, p):
     return (jax.nn.silu(g) * u) @ p["w_down"]  # [T, D]
 
 
-def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, max_query_len,
+def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_shape,
                     backend):
   """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens."""
   T = x.shape[0]
@@ -56,7 +56,7 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, max_que
   q = apply_rope(q, cos, sin)
   k = apply_rope(k, cos, sin)
   with jax.named_scope("attention"):
-    o = attention.paged_attention(q, k, v, pool, layer, batch, max_query_len=max_query_len,
+    o = attention.paged_attention(q, k, v, pool, layer, batch, attn_shape=attn_shape,
                                   backend=backend)  # [T, N, H] f32
   out = o.astype(x.dtype).reshape(T, N * H) @ p["wo"]
   return out, k, v

@@ -15,20 +15,21 @@ from jaxinfer.kv import write_tokens
 from jaxinfer.model import layers
 
 
-def _layer(x, p, layer, cfg, rope, pool, batch, max_query_len, backend):
+def _layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
   h, k, v = layers.attention_block(
       layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
-      max_query_len=max_query_len, backend=backend)
+      attn_shape=attn_shape, backend=backend)
   x = x + h
   x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
   return x, k, v
 
 
-def hidden_states(params, pool, batch, cfg: ModelConfig, *, max_query_len: int,
+def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
                   backend: str = "reference", num_layers: int | None = None):
   """Final-normed hidden states [T, D] and the step's K/V [L', T, K, H] of the layers run.
 
   num_layers: run only the first layers (early-exit drafting); default all.
+  attn_shape: (max query tokens per prefill slot, prefill slots), static (see attention.py).
   """
   dtype = params["embed"].dtype
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
@@ -41,14 +42,14 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, max_query_len: int,
 
     def body(x, xs):
       p, i = xs
-      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, max_query_len, backend)
+      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):
-      x, k, v = _layer(x, lp[i], i, cfg, rope, pool, batch, max_query_len, backend)
+      x, k, v = _layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend)
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)
@@ -65,10 +66,10 @@ def lm_head(params, x):
   return logits.astype(jnp.float32)
 
 
-def forward(params, pool, batch, cfg: ModelConfig, *, max_query_len: int,
+def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
             backend: str = "reference"):
   """Returns (logits [S, V] f32 at batch["logits_idx"], pool with the step's K/V written)."""
-  x, ks, vs = hidden_states(params, pool, batch, cfg, max_query_len=max_query_len,
+  x, ks, vs = hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                             backend=backend)
   pool = write_tokens(pool, ks, vs, batch["write_page"], batch["write_offset"])
   logits = lm_head(params, x[batch["logits_idx"]])

@@ -42,14 +42,19 @@ class StepInput:
     return self.bucket.num_tokens - self.num_tokens
 
 
+def select_bucket(works: Sequence[SeqWork], table: BucketTable, page_size: int) -> Bucket:
+  n_pre = sum(len(w.token_ids) > 1 for w in works)
+  return table.select(sum(len(w.token_ids) for w in works), len(works) - n_pre,
+                      max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works),
+                      max(len(w.token_ids) for w in works), n_pre)
+
+
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
          num_pages: int) -> StepInput:
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
-  max_q = max(len(w.token_ids) for w in works)
-  max_p = max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works)
-  b = table.select(n_tok, len(works), max_p, max_q)
+  b = select_bucket(works, table, page_size)
   if sum(w.num_logits for w in works) > b.num_logits:
     raise ValueError(f"{sum(w.num_logits for w in works)} logits rows exceed the bucket's "
                      f"{b.num_logits} (one per request slot)")
@@ -71,8 +76,19 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   counter = np.zeros(S, np.int32)
   rows: List[Tuple[int, int]] = []
 
+  # One-token (decode) works take the first slots, multi-token works the last Rp slots.
+  # Flat token order and logits rows follow the works' order.
   t = 0
-  for r, w in enumerate(works):
+  next_dec, next_pre = 0, R - b.prefill_slots
+  slots = []
+  for w in works:
+    if len(w.token_ids) == 1:
+      slots.append(next_dec)
+      next_dec += 1
+    else:
+      slots.append(next_pre)
+      next_pre += 1
+  for r, w in zip(slots, works):
     n = len(w.token_ids)
     pt = np.asarray(w.page_table, np.int32)
     end = w.cached_len + n
@@ -91,10 +107,13 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
       temperature[i], top_k[i], top_p[i] = w.temperature, w.top_k, w.top_p
       seed[i] = np.uint32(w.seed & 0xFFFFFFFF)
       counter[i] = w.sample_index + j
-      rows.append((r, j))
+      rows.append((len(rows), j))
     t += n
-  # Padding request slots point at their own empty range past the real tokens.
-  query_start[len(works):] = t
+  # Padding request slots point at an empty range past the real tokens.
+  used = set(slots)
+  for r in range(R):
+    if r not in used:
+      query_start[r] = t
   arrays = dict(token_ids=token_ids, positions=positions, write_page=write_page,
                 write_offset=write_offset, page_table=page_table, query_start=query_start,
                 query_len=query_len, cached_len=cached_len, logits_idx=logits_idx,

@@ -21,7 +21,7 @@ import numpy as np
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import StepRecord, summarize
-from jaxinfer.runtime.batcher import SeqWork, pack
+from jaxinfer.runtime.batcher import SeqWork, pack, select_bucket
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request, State
@@ -197,16 +197,15 @@ class Engine:
              for s in plan.seqs]
     if ex.virtual_clock:
       step = None
-      b = self.buckets.select(plan.num_tokens, len(works),
-                              max(self.pm.pages_for(w.cached_len + len(w.token_ids)) for w in works),
-                              max(len(w.token_ids) for w in works))
+      b = select_bucket(works, self.buckets, self.pm.page_size)
     else:
       step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
       b = step.bucket
     step_id = self.pm.begin_step([s.request.request_id for s in plan.seqs])
     handle = ex.launch(step, plan) if hasattr(ex, "launch") else ex.execute(step, plan)
     self._in_flight = InFlight(plan, handle, step_id, now,
-                               (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len),
+                               (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len,
+                                b.prefill_slots),
                                b.num_tokens - plan.num_tokens)
     return self._in_flight
 

@@ -20,22 +20,15 @@ from pallas_kernels import kv_codec
 _NEG = -1e30
 
 
-def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
-                           cached_len, *, max_query_len: int, sm_scale=None):
-  """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
-
-  pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.
-  page_table [R, Pmax] int32; query_start, query_len, cached_len [R] int32.
-  Tokens not covered by any request (padding) get zeros.
-  """
+def _attend(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
+            scale):
+  """Attention for a group of request slots that each hold up to Q new tokens.
+  Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
   T, N, H = q.shape
   K = k_new.shape[1]
   G = N // K
   R = page_table.shape[0]
-  Q = max_query_len
-  scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
   cdt = jnp.float32
-
   # Gather each request's queries and new K/V, KV-head-major like the pool: [K, R, Q, ...].
   qpos = jnp.arange(Q, dtype=jnp.int32)
   qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
@@ -63,8 +56,31 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   o = jnp.einsum("krqgs,krsh->krqgh", p_c, vc) + jnp.einsum("krqgj,krjh->krqgh", p_n, vn)
   o = o / jnp.maximum(denom, 1e-30)[..., None]
   o = o.transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
-
-  # Scatter back to the flat token order; padding tokens stay zero.
   flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
-  out = jnp.zeros((T, N, H), cdt).at[flat].set(o, mode="drop")
+  return o, flat
+
+
+def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
+                           cached_len, *, max_query_len: int, num_prefill_slots=None,
+                           sm_scale=None):
+  """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
+
+  pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.
+  page_table [R, Pmax] int32; query_start, query_len, cached_len [R] int32.
+  The last `num_prefill_slots` slots hold up to max_query_len new tokens each, the
+  others at most one (None: every slot may hold max_query_len). Tokens not covered by
+  any request (padding) get zeros.
+  """
+  T, N, H = q.shape
+  R = page_table.shape[0]
+  Rp = R if num_prefill_slots is None else num_prefill_slots
+  scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
+  args = (page_table, query_start, query_len, cached_len)
+  out = jnp.zeros((T, N, H), jnp.float32)
+  groups = [(slice(0, R - Rp), 1), (slice(R - Rp, R), max_query_len)]
+  for sl, Q in groups:
+    if sl.stop - sl.start == 0:
+      continue
+    o, flat = _attend(q, k_new, v_new, pool, layer, *(a[sl] for a in args), Q, scale)
+    out = out.at[flat].set(o, mode="drop")
   return out
