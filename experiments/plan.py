@@ -1,0 +1,210 @@
+"""The chapter's planner (SPEC 8.2.1, 8.3.4, 8.4.3, 8.5, 8.6.3) on the cost model.
+
+  python -m experiments.plan capacity --model=qwen3-8b --kv_budget_gib=12 --json
+  python -m experiments.plan batch --context=2048 --output_dir=out/plan
+  python -m experiments.plan prefix_value --prefix_tokens=6144 --p_hit=0.5
+  python -m experiments.plan offload --offload_sets=9 --prefetch_buffers=2
+  python -m experiments.plan spec --acceptance=0.7 --num_draft=8
+  python -m experiments.plan select --kv_budget_gib=12 --output_tokens=256 --output_dir=out/plan
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from absl import app, flags
+
+from jaxinfer import costmodel
+from jaxinfer.config import get_model_config
+from jaxinfer.costmodel import formulas as F
+from jaxinfer.costmodel.select import plot_plane, select
+from jaxinfer.runtime import accounting
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "qwen3-8b", "model config")
+flags.DEFINE_string("hardware", "rtx-pro-6000", "hardware profile (configs/hardware)")
+flags.DEFINE_string("kv_format", "bf16", "KV format")
+flags.DEFINE_integer("page_size", 16, "tokens per page")
+flags.DEFINE_float("kv_budget_gib", 12.0, "KV + auxiliary budget")
+flags.DEFINE_integer("input_tokens", 8192, "L")
+flags.DEFINE_integer("output_tokens", 256, "G")
+flags.DEFINE_integer("shared_prefix", 6144, "tokens of a shared prefix")
+flags.DEFINE_integer("num_requests", 16, "simultaneous requests (select)")
+flags.DEFINE_float("deadline_s", 7.0, "deadline, arrival to last token")
+flags.DEFINE_integer("context", 2048, "batch: context length")
+flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64", "128"], "batch: sizes")
+flags.DEFINE_integer("prefix_tokens", 6144, "prefix_value: prefix length")
+flags.DEFINE_float("p_hit", 0.5, "prefix_value: hit probability")
+flags.DEFINE_float("maintain_ms", 0.0, "prefix_value: upkeep time per interval")
+flags.DEFINE_integer("offload_sets", 9, "offload: FFN sets moved to host memory")
+flags.DEFINE_integer("prefetch_buffers", 2, "offload: 1 (serial) or 2 (overlapped)")
+flags.DEFINE_float("acceptance", 0.7, "spec: per-position acceptance a")
+flags.DEFINE_integer("num_draft", 8, "spec: longest draft considered")
+flags.DEFINE_float("draft_ms", 0.5, "spec: drafting time per drafted token")
+flags.DEFINE_string("variants", "", "select: variants config (default configs/plan_select.json)")
+flags.DEFINE_bool("json", False, "emit JSON")
+flags.DEFINE_string("output_dir", "", "write JSON and figures here")
+
+MIB = 2**20
+
+
+def _model():
+  return costmodel.RooflineStepModel.for_names(FLAGS.model, FLAGS.hardware, FLAGS.kv_format,
+                                               FLAGS.page_size)
+
+
+def cmd_capacity():
+  rm = _model()
+  k = rm.costs.kv_bytes_per_token
+  out = {}
+  for name, shared in (("independent", 0), ("shared_prefix", FLAGS.shared_prefix)):
+    c = accounting.capacity(k, FLAGS.kv_budget_gib * 2**30, FLAGS.input_tokens,
+                            FLAGS.output_tokens, FLAGS.page_size, shared)
+    out[name] = dict(dataclasses.asdict(c), kv_end_mib=c.kv_end_bytes / MIB,
+                     private_end_mib=c.private_end_bytes / MIB,
+                     shared_prefix_mib=c.shared_prefix_bytes / MIB)
+  out["weight_bytes"] = rm.costs.weight_bytes
+  out["d_w"] = rm.costs.d_w
+  return out
+
+
+def cmd_batch():
+  rm = _model()
+  c, L = rm.costs, FLAGS.context
+  k = c.kv_bytes_per_token
+  rows = []
+  for b in (int(x) for x in FLAGS.batches):
+    rows.append({"batch": b, "bytes_per_round": F.bytes_per_round(c.d_w, b, L, k),
+                 "bytes_per_output_token": F.bytes_per_output_token(c.d_w, b, L, k),
+                 "bytes_per_output_token_rom": F.bytes_per_output_token(c.d_w, b, L, k, True),
+                 "round_ms": 1e3 * rm.decode_round(b, L)})
+  out = {"context": L, "b_kv": F.b_kv(c.d_w, L, k), "rows": rows}
+  if FLAGS.output_dir:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bs = [r["batch"] for r in rows]
+    ax.loglog(bs, [r["bytes_per_output_token"] / 1e6 for r in rows], "o-", label="weights + KV")
+    ax.loglog(bs, [r["bytes_per_output_token_rom"] / 1e6 for r in rows], "s--",
+              label="KV only (weights in ROM)")
+    ax.axvline(out["b_kv"], color="gray", linestyle=":", label=f"b_KV = {out['b_kv']}")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("MB read per output token")
+    ax.set_title(f"{FLAGS.model}, context {L} (8.2.1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    fig.savefig(os.path.join(FLAGS.output_dir, "plan_batch.png"), dpi=110)
+    plt.close(fig)
+  return out
+
+
+def cmd_prefix_value():
+  rm = _model()
+  hw = rm.hw
+  n = FLAGS.prefix_tokens
+  size = n * rm.costs.kv_bytes_per_token
+  t_r = rm.prefill_time(1, n)  # recompute the prefix
+  t_f = size / hw.link_bandwidth if hw.host_link_gbs else 0.0  # fetch from host memory
+  t_m = FLAGS.maintain_ms / 1e3
+  return {"prefix_tokens": n, "size_mib": size / MIB, "t_recompute_s": t_r, "t_fetch_s": t_f,
+          "t_maintain_s": t_m, "value_s": F.prefix_value(FLAGS.p_hit, t_r, t_f, t_m),
+          "p_hit_threshold": F.hit_probability_threshold(t_r, t_f, t_m),
+          "saving_per_mib_s": F.saving_per_mib(FLAGS.p_hit, t_r, t_f, t_m, size)}
+
+
+def cmd_offload():
+  rm = _model()
+  c, hw = rm.costs, rm.hw
+  n, nb = FLAGS.offload_sets, FLAGS.prefetch_buffers
+  mem = F.offload_memory(c.ffn_bytes_per_layer, n, nb)
+  t_copy = F.offload_copy_time(c.ffn_bytes_per_layer, n, hw.link_bandwidth)
+  layers = c.cfg.num_layers
+  round_s = rm.decode_round(1, FLAGS.input_tokens)
+  per_layer = round_s / layers
+  every = max(layers // n, 1) if n else layers + 1
+  copies = [c.ffn_bytes_per_layer / hw.link_bandwidth if (n and i % every == every - 1 and
+                                                          i // every < n) else 0.0
+            for i in range(layers)]
+  step = F.offload_step_time([per_layer] * layers, copies, nb)
+  total = rm.prefill_time(1, FLAGS.input_tokens) + (FLAGS.output_tokens - 1) * step
+  return {"offload_sets": n, "set_mib": c.ffn_bytes_per_layer / MIB, "prefetch_buffers": nb,
+          "freed_mib": mem["freed_bytes"] / MIB, "buffer_mib": mem["buffer_bytes"] / MIB,
+          "net_mib": mem["net_bytes"] / MIB, "copy_ms_per_step": 1e3 * t_copy,
+          "link": hw.host_link, "round_ms_plain": 1e3 * round_s, "round_ms_offload": 1e3 * step,
+          "request_s": total, "meets_deadline": total <= FLAGS.deadline_s}
+
+
+def cmd_spec():
+  rm = _model()
+  t_verify = lambda m: rm.step_time([(m + 1, FLAGS.input_tokens)])  # noqa: E731
+  plain = t_verify(0)
+  rows = []
+  for m in range(FLAGS.num_draft + 1):
+    t = t_verify(m) + m * FLAGS.draft_ms / 1e3
+    e = F.expected_tokens(FLAGS.acceptance, m)
+    rows.append({"draft_len": m, "round_ms": 1e3 * t, "expected_tokens": e,
+                 "ms_per_token": 1e3 * t / e, "break_even_tokens": F.draft_break_even(t, plain)})
+  best = 0
+  for m in range(1, len(rows)):  # 8.5.4: lengthen while dT/dN < T/N
+    a, b = rows[m - 1], rows[m]
+    if not F.should_lengthen(a["round_ms"], a["expected_tokens"], b["round_ms"],
+                             b["expected_tokens"]):
+      break
+    best = m
+  return {"acceptance": FLAGS.acceptance, "plain_step_ms": 1e3 * plain, "rows": rows,
+          "chosen_draft_len": best}
+
+
+def cmd_select():
+  results, chosen = select(FLAGS.variants or None, output_tokens=FLAGS.output_tokens,
+                           num_requests=FLAGS.num_requests, kv_budget_gib=FLAGS.kv_budget_gib,
+                           deadline_s=FLAGS.deadline_s)
+  if FLAGS.output_dir:
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    plot_plane(results, FLAGS.kv_budget_gib, FLAGS.deadline_s,
+               os.path.join(FLAGS.output_dir, "plan_select.png"), chosen)
+  return {"variants": [dataclasses.asdict(r) for r in results], "chosen": chosen,
+          "kv_budget_gib": FLAGS.kv_budget_gib, "output_tokens": FLAGS.output_tokens,
+          "deadline_s": FLAGS.deadline_s}
+
+
+COMMANDS = {"capacity": cmd_capacity, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
+            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select}
+
+
+def _print(out, indent=""):
+  for k, v in out.items():
+    if isinstance(v, list) and v and isinstance(v[0], dict):
+      print(f"{indent}{k}:")
+      keys = list(v[0])
+      print(indent + "  " + " ".join(f"{c:>14}" for c in keys))
+      for row in v:
+        print(indent + "  " + " ".join(
+            f"{x:>14.4g}" if isinstance(x, float) else f"{str(x):>14}" for x in row.values()))
+    elif isinstance(v, dict):
+      print(f"{indent}{k}:")
+      _print(v, indent + "  ")
+    else:
+      print(f"{indent}{k}: {v}")
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(f"usage: python -m experiments.plan {{{'|'.join(COMMANDS)}}} [--flags]")
+  out = COMMANDS[argv[1]]()
+  if FLAGS.output_dir:
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, f"plan_{argv[1]}.json"), "w") as f:
+      json.dump(out, f, indent=1, default=str)
+  if FLAGS.json:
+    print(json.dumps(out, indent=1, default=lambda x: None if x == math.inf else str(x)))
+  else:
+    _print(out)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,173 @@
+"""Roofline step-time model with measured MBU / MFU (8.2.1, 8.6.3).
+
+Bytes and FLOPs are derived from the model config (never typed in). A step takes
+max(FLOPs / (P x MFU), bytes / (beta x MBU)); MBU is interpolated on the bytes a step
+reads and MFU on the log of a step's FLOPs, from a measured calibration table (SPEC's
+8-1 table for the RTX PRO 6000; the project's own measurements for local-cpu). The model
+plugs into the SimExecutor as its StepTimeModel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig, get_model_config
+from jaxinfer.costmodel.formulas import chunk_pairs
+from jaxinfer.costmodel.hardware import HardwareProfile, load_hardware
+from jaxinfer.kv import bytes_per_token
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "calibration")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+  """Byte and FLOP counts of one model, from its config."""
+  cfg: ModelConfig
+  bytes_per_param: float = 2.0
+  kv_format: str = "bf16"
+  page_size: int = 16
+
+  @property
+  def weight_bytes(self) -> int:
+    return self.cfg.weight_bytes(self.bytes_per_param)
+
+  @property
+  def d_w(self) -> int:
+    """Weight bytes one step reads (embedding rows are only looked up)."""
+    return self.cfg.weight_bytes_read_per_step(self.bytes_per_param)
+
+  @property
+  def ffn_bytes_per_layer(self) -> int:
+    return int(3 * self.cfg.hidden_size * self.cfg.intermediate_size * self.bytes_per_param)
+
+  @property
+  def kv_bytes_per_token(self) -> float:
+    return bytes_per_token(self.cfg, self.kv_format, self.page_size)
+
+  @property
+  def flops_per_token(self) -> int:
+    """Matmul FLOPs per new token through the layers (LM head counted per sampled row)."""
+    return 2 * self.cfg.num_layers * self.cfg.layer_param_count()
+
+  @property
+  def lm_head_flops(self) -> int:
+    return 2 * self.cfg.vocab_size * self.cfg.hidden_size
+
+  def step_flops(self, seqs: Sequence[Tuple[int, int]], sampled: Optional[int] = None) -> float:
+    """seqs: (new tokens c, cached tokens h) per request."""
+    sampled = len(seqs) if sampled is None else sampled
+    pairs = sum(chunk_pairs(c, h) for c, h in seqs)
+    return (sum(c for c, _ in seqs) * self.flops_per_token + pairs *
+            self.cfg.attention_flops_per_pair() + sampled * self.lm_head_flops)
+
+  def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0) -> float:
+    """Weights once + every request's KV at its context (a shared prefix of
+    shared_tokens read once for all requests when given)."""
+    ctx = sum(h + c for c, h in seqs) - shared_tokens * max(len(seqs) - 1, 0)
+    return self.d_w + ctx * self.kv_bytes_per_token
+
+
+@dataclasses.dataclass
+class Calibration:
+  """Measured efficiency tables: MBU vs bytes read per step, MFU vs FLOPs per step."""
+  mbu_bytes: List[float]
+  mbu: List[float]
+  mfu_flops: List[float]
+  mfu: List[float]
+  source: str = ""
+
+  def mbu_at(self, nbytes: float) -> float:
+    return float(np.interp(nbytes, self.mbu_bytes, self.mbu))
+
+  def mfu_at(self, flops: float) -> float:
+    return float(np.interp(math.log(max(flops, 1.0)), np.log(self.mfu_flops), self.mfu))
+
+
+def load_calibration(hw: HardwareProfile, costs: ModelCosts,
+                     path: Optional[str] = None) -> Calibration:
+  """Read a measured table and turn it into (bytes, MBU) and (FLOPs, MFU) points. The
+  table's own model config gives the FLOPs of its prefill entries."""
+  path = path or os.path.join(CALIBRATION_DIR, f"{hw.name}.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"no calibration table for hardware {hw.name!r} at {path}; measure one "
+                     "(tools/measure_hardware.py --calibrate for local-cpu)")
+  with open(path) as f:
+    d = json.load(f)
+  table_costs = ModelCosts(get_model_config(d["model"]), costs.bytes_per_param,
+                           d.get("kv_format", "bf16"), costs.page_size)
+  table_hw = load_hardware(d["hardware"]) if d.get("hardware") else hw
+  dec = sorted(d["decode"], key=lambda e: e["bytes"])
+  mbu_b = [e["bytes"] for e in dec]
+  mbu = [e["bytes"] / (table_hw.bandwidth * e["round_ms"] / 1e3) for e in dec]
+  pre = []
+  for e in d["prefill"]:
+    f = table_costs.step_flops([(e["input"] - e.get("cached", 0), e.get("cached", 0))] *
+                               e["batch"])
+    pre.append((f, e["mfu"]))
+  pre.sort()
+  return Calibration(mbu_b, mbu, [f for f, _ in pre], [m for _, m in pre],
+                     d.get("source", path))
+
+
+class RooflineStepModel:
+  """StepTimeModel for the simulator: max(compute time, memory time) per step."""
+
+  def __init__(self, costs: ModelCosts, hw: HardwareProfile, calib: Optional[Calibration] = None):
+    self.costs = costs
+    self.hw = hw
+    self.calib = calib
+
+  @classmethod
+  def for_names(cls, model: str, hardware: str, kv_format: str = "bf16", page_size: int = 16,
+                bytes_per_param: float = 2.0, calibration: Optional[str] = "auto"
+                ) -> "RooflineStepModel":
+    """calibration: "auto" (the hardware's own table, else the RTX PRO 6000 table's
+    efficiencies as a stand-in, with a warning), a table path, or None (MBU = MFU = 1)."""
+    costs = ModelCosts(get_model_config(model), bytes_per_param, kv_format, page_size)
+    hw = load_hardware(hardware)
+    if calibration is None:
+      return cls(costs, hw, None)
+    path = None if calibration == "auto" else calibration
+    if calibration == "auto" and not os.path.isfile(os.path.join(CALIBRATION_DIR,
+                                                                 f"{hw.name}.json")):
+      path = os.path.join(CALIBRATION_DIR, "rtx-pro-6000.json")
+      log.warning("no calibration table for %s: using the RTX PRO 6000 table's MBU/MFU", hw.name)
+    return cls(costs, hw, load_calibration(hw, costs, path))
+
+  def compute_time(self, seqs, sampled=None) -> float:
+    f = self.costs.step_flops(seqs, sampled)
+    mfu = self.calib.mfu_at(f) if self.calib else 1.0
+    return f / (self.hw.peak_flops * mfu)
+
+  def memory_time(self, seqs, shared_tokens: int = 0) -> float:
+    b = self.costs.step_bytes(seqs, shared_tokens)
+    mbu = self.calib.mbu_at(b) if self.calib else 1.0
+    return b / (self.hw.bandwidth * mbu)
+
+  def step_time(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0) -> float:
+    if not seqs:
+      return 0.0
+    return max(self.compute_time(seqs), self.memory_time(seqs, shared_tokens))
+
+  # 8.6.3 rates
+  def decode_round(self, batch: int, context: int, shared_tokens: int = 0) -> float:
+    return self.step_time([(1, context)] * batch, shared_tokens)
+
+  def prefill_time(self, batch: int, new_tokens: int, cached: int = 0) -> float:
+    return self.step_time([(new_tokens, cached)] * batch)
+
+  def rates(self, batch: int, prompt_tokens: int, context: int) -> dict:
+    """r_P: new prefill tokens per accelerator second; r_D: decode calls per second (a
+    batch step counts one call per request, its time once)."""
+    t_p = self.prefill_time(batch, prompt_tokens)
+    t_d = self.decode_round(batch, context)
+    return {"r_prefill": batch * prompt_tokens / t_p, "r_decode": batch / t_d,
+            "prefill_s": t_p, "decode_round_s": t_d}

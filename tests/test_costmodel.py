@@ -1,0 +1,141 @@
+"""Cost model: sizes derived from the config, formulas pinned on SPEC cases, the
+roofline calibrated on the 8-1 table, and configuration selection (8.6.3)."""
+import math
+
+import pytest
+
+from jaxinfer.config import QWEN3_8B
+from jaxinfer.costmodel import ModelCosts, RooflineStepModel
+from jaxinfer.costmodel import formulas as F
+from jaxinfer.costmodel.select import select
+from jaxinfer.executors.sim_executor import SimExecutor
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def rtx():
+  return RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000")
+
+
+def test_sizes_derived_from_config():
+  c = ModelCosts(QWEN3_8B)
+  assert c.weight_bytes == 16_381_470_720
+  assert c.d_w == 15_136_811_008
+  assert c.ffn_bytes_per_layer == 288 * MIB
+  assert c.kv_bytes_per_token == 147_456
+
+
+@pytest.mark.parametrize("batch,bytes_gb,round_ms", [(1, 15.44, 26.26), (4, 16.34, 26.62),
+                                                     (16, 19.97, 27.44), (64, 34.46, 29.63)])
+def test_roofline_reproduces_8_1_decode_rounds(rtx, batch, bytes_gb, round_ms):
+  assert rtx.costs.step_bytes([(1, 2048)] * batch) == pytest.approx(bytes_gb * 1e9, rel=2e-3)
+  assert 1e3 * rtx.decode_round(batch, 2048) == pytest.approx(round_ms, rel=0.02)
+
+
+def test_roofline_predicts_8k_with_6k_cached_prefill(rtx):
+  """Batch 16, 2048 new tokens on 6144 cached: measured 2.04 s (58% MFU)."""
+  assert rtx.prefill_time(16, 2048, 6144) == pytest.approx(2.04, rel=0.05)
+  assert rtx.prefill_time(1, 2048) == pytest.approx(0.0948, rel=0.02)  # ~96 ms with 1st token
+
+
+def test_rates(rtx):
+  r = rtx.rates(16, 2048, 2048)
+  assert r["r_decode"] == pytest.approx(16 / r["decode_round_s"])
+  t = F.gpu_seconds(2048, 256, r["r_prefill"], r["r_decode"])
+  assert t == pytest.approx(2048 / r["r_prefill"] + 255 / r["r_decode"])
+
+
+def test_weight_reuse_formulas():
+  d_w, k = 15_136_811_008, 147_456
+  assert F.bytes_per_round(d_w, 4, 2048, k) == d_w + 4 * 2048 * k
+  assert F.bytes_per_output_token(d_w, 4, 2048, k) == d_w / 4 + 2048 * k
+  assert F.bytes_per_output_token(d_w, 4, 2048, k, weights_in_rom=True) == 2048 * k
+  assert F.b_kv(d_w, 2048, k) == math.ceil(d_w / (2048 * k)) == 51
+  assert F.weight_arithmetic_intensity(8, 2) == 8
+  assert F.chunk_pairs(512, 7680) == 512 * 7680 + 512 * 513 // 2
+
+
+def test_prefix_value_formulas():
+  assert F.prefix_value(0.5, 0.3, 0.02, 0.01) == pytest.approx(0.5 * 0.28 - 0.01)
+  assert F.hit_probability_threshold(0.3, 0.02, 0.014) == pytest.approx(0.05)
+  assert F.hit_probability_threshold(0.01, 0.02, 0.0) == math.inf  # fetching is slower
+  assert F.saving_per_mib(1.0, 0.3, 0.0, 0.0, 3 * MIB) == pytest.approx(0.1)
+
+
+def test_kv_compression_and_fp8_crossover():
+  """8.4.2: BF16 6.44 + 4.37e-5 L vs FP8 6.58 + 2.37e-5 L (ms) cross near 7000 tokens."""
+  assert F.linear_crossover(6.44, 4.37e-5, 6.58, 2.37e-5) == pytest.approx(7000)
+  assert F.kv_compression_gain(1e9, 1e12, 2e-4) == pytest.approx(8e-4)
+
+
+def test_offload_formulas_for_nine_ffn_sets():
+  """8.4.3: 9 of 36 FFN sets of 288 MiB offloaded; 2 prefetch buffers kept on device."""
+  s = 288 * MIB
+  m = F.offload_memory(s, 9, 2)
+  assert (m["freed_bytes"], m["buffer_bytes"], m["net_bytes"]) == (9 * s, 2 * s, 7 * s)
+  assert F.offload_copy_time(s, 9, 64e9) == pytest.approx(9 * s / 64e9)  # PCIe: 42.5 ms
+  assert F.offload_copy_time(s, 9, 450e9) == pytest.approx(9 * s / 450e9)  # NVLink-C2C
+  compute, copy = [1.0, 1.0, 1.0], [2.0, 0.0, 2.0]
+  assert F.offload_step_time(compute, copy, 1) == pytest.approx(6.0)  # copy, 3 layers, copy waits
+  assert F.offload_step_time(compute, copy, 2) == pytest.approx(5.0)  # second copy overlaps
+  assert F.offload_step_time([0.1] * 3, [1.0] * 3, 2) >= 3.0  # never shorter than its copies
+  assert F.compressed_transfer_pays(r_dec=300e9, link_bandwidth=64e9, ratio=0.5)
+  assert not F.compressed_transfer_pays(r_dec=100e9, link_bandwidth=64e9, ratio=0.5)
+
+
+def test_speculation_formulas():
+  assert F.expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+  assert F.expected_tokens([0.9, 0.5]) == pytest.approx(1 + 0.9 + 0.45)
+  assert F.time_per_token([10, 30], [1, 4]) == pytest.approx(8.0)  # not mean(10, 7.5)
+  assert F.should_lengthen(10.0, 2.0, 11.0, 2.5)  # dT/dN = 2 < T/N = 5
+  assert not F.should_lengthen(10.0, 2.0, 14.0, 2.5)  # 8 > 5
+  assert F.draft_break_even(15.2, 16.9) < 1  # a DFlash round is cheaper than a plain step
+  assert F.amortized_index_cost(2.0, 1000) == pytest.approx(0.002)
+
+
+def test_littles_law_and_amdahl():
+  assert F.littles_law(4.0, 2.5) == 10.0
+  assert F.amdahl(0.8, 3.0) == pytest.approx(1 / (0.2 + 0.8 / 3))
+  assert F.goodput(12, 4.0) == 3.0
+
+
+def test_select_reproduces_the_chapter():
+  """12 GiB / 256 tokens: A does not fit (16 x 1188 MiB), B fits but takes ~9.0 s
+  (> 7 s), C's full 8K prefills alone take > 7 s, D (4.5 s) beats E (5.5 s) on
+  GPU-seconds per good result."""
+  res, chosen = select()
+  r = {x.name: x for x in res}
+  assert chosen == "D"
+  assert r["A"].kv_mib == 16 * 1188 and not r["A"].fits_memory
+  assert r["B"].kv_mib == 864 + 16 * 324 and r["B"].fits_memory and not r["B"].meets_deadline
+  assert r["B"].total_s == pytest.approx(9.02, rel=0.03)  # the chapter's 9.02 s median
+  assert r["C"].fits_memory and not r["C"].meets_deadline
+  assert r["D"].kv_mib == 864 + 16 * 324 + 3188 and r["D"].rounds == 85
+  assert r["E"].rounds == 128 and r["E"].meets_deadline
+  assert r["D"].joules_per_good == pytest.approx(r["D"].gpu_s_per_good * 600)
+
+
+def test_select_reselects_at_6_gib_and_16_tokens():
+  res, chosen = select(kv_budget_gib=6)
+  assert chosen == "E"  # D's draft model no longer fits
+  assert not {x.name: x for x in res}["D"].fits_memory
+  res, chosen = select(output_tokens=16)
+  r = {x.name: x for x in res}
+  assert r["B"].meets_deadline and chosen == "E"  # short outputs: the draft's prefill cost
+  assert r["E"].total_s < r["D"].total_s < r["B"].total_s
+
+
+def test_roofline_drives_the_simulator(rtx):
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  ex = SimExecutor(rtx, num_pages=5461, page_size=16)
+  eng = Engine(ex, SchedulerConfig("continuous", 64, 1 << 20, 1 << 20),
+               buckets=BucketTable.default(1 << 17, 64, 4096))
+  for i in range(16):
+    eng.add_request([i] * 2048, SamplingParams(max_tokens=256, ignore_eos=True), arrival_time=0)
+  reqs = eng.run()
+  itl = sum(r.itls[5] for r in reqs) / 16
+  assert itl == pytest.approx(rtx.decode_round(16, 2048 + 6), rel=0.01)
