@@ -22,6 +22,10 @@ flags.DEFINE_string("output", "", "write the profile JSON here (default: print o
 flags.DEFINE_integer("read_mib", 1024, "array size for the read-bandwidth test")
 flags.DEFINE_integer("matmul_n", 2048, "square matmul size for the FLOP/s test")
 flags.DEFINE_integer("repeats", 10, "timed repeats (median reported)")
+flags.DEFINE_bool("calibrate", False, "also time SmolLM2 decode / prefill steps and write "
+                  "configs/calibration/local-cpu.json (MBU / MFU table)")
+flags.DEFINE_list("batches", ["1", "4", "16"], "calibration batch sizes")
+flags.DEFINE_integer("context", 512, "calibration decode context")
 
 
 def _median_time(fn, *args, repeats):
@@ -58,10 +62,55 @@ def measure(read_mib=1024, matmul_n=2048, repeats=10) -> dict:
   bw = measure_read_bandwidth(read_mib, repeats)
   f32 = measure_matmul_flops(matmul_n, repeats)
   bf16 = measure_matmul_flops(matmul_n, max(3, repeats // 3), jnp.bfloat16)
-  return {"name": "local-cpu", "memory_bandwidth_gbs": bw / 1e9,
+  return {"name": "local-cpu", "compute_dtype": "float32", "memory_bandwidth_gbs": bw / 1e9,
           "peak_tflops_f32": f32 / 1e12, "peak_tflops_bf16": bf16 / 1e12,
           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
           "jax": jax.__version__, "measured_at": time.strftime("%Y-%m-%d")}
+
+
+def _step_times(llm_model, batch, context, new_tokens, repeats):
+  """Median time of one step of `batch` requests, each running `new_tokens` tokens on
+  `context` cached tokens (decode: new_tokens = 1)."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.executors.jax_executor import JaxExecutor
+  from jaxinfer.runtime.batcher import SeqWork, pack
+  ps = 16
+  pages = -(-(context + new_tokens) // ps)
+  table = BucketTable(token_sizes=(batch * new_tokens,), request_sizes=(batch,),
+                      page_sizes=(pages,), query_sizes=(new_tokens,))
+  ex = JaxExecutor(llm_model.cfg, llm_model.params, num_pages=batch * pages, page_size=ps)
+  works = [SeqWork([7] * new_tokens, context, list(range(i * pages, (i + 1) * pages)))
+           for i in range(batch)]
+  step = pack(works, table, ps, batch * pages)
+  ex.run(step)
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    ex.run(step)
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def calibrate(prof, batches, context, repeats):
+  """Measured SmolLM2 f32 steps -> the local-cpu MBU / MFU table, and predicted vs
+  measured decode times (roofline floor and leave-one-out calibration)."""
+  from jaxinfer.costmodel import ModelCosts
+  from jaxinfer.loading import load_model
+  m = load_model("smollm2-135m-instruct")
+  costs = ModelCosts(m.cfg, 4.0, "f32", 16)
+  decode, prefill = [], []
+  for b in batches:
+    t = _step_times(m, b, context, 1, repeats)
+    decode.append({"batch": b, "context": context, "bytes": costs.step_bytes([(1, context)] * b),
+                   "round_ms": 1e3 * t})
+  for n in (64, 256):
+    t = _step_times(m, 1, 0, n, max(3, repeats // 3))
+    f = costs.step_flops([(n, 0)])
+    prefill.append({"batch": 1, "input": n, "cached": 0, "seconds": t,
+                    "mfu": f / (t * prof["peak_tflops_f32"] * 1e12)})
+  return {"hardware": "local-cpu", "model": "smollm2-135m-instruct", "kv_format": "f32",
+          "bytes_per_param": 4, "source": "tools/measure_hardware.py --calibrate",
+          "decode": decode, "prefill": prefill}
 
 
 def main(argv):
@@ -72,6 +121,25 @@ def main(argv):
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
     with open(FLAGS.output, "w") as f:
       json.dump(prof, f, indent=1)
+  if FLAGS.calibrate:
+    cal = calibrate(prof, [int(b) for b in FLAGS.batches], FLAGS.context, FLAGS.repeats)
+    bw = prof["memory_bandwidth_gbs"] * 1e9
+    print(f"{'batch':>5} {'bytes MB':>9} {'floor ms':>9} {'measured ms':>12} {'MBU':>6} "
+          f"{'leave-one-out ms':>17}")
+    dec = cal["decode"]
+    for i, e in enumerate(dec):
+      others = [x for j, x in enumerate(dec) if j != i]
+      mbus = [x["bytes"] / (bw * x["round_ms"] / 1e3) for x in others]
+      mbu_i = float(np.interp(e["bytes"], [x["bytes"] for x in others], mbus))
+      print(f"{e['batch']:>5} {e['bytes'] / 1e6:>9.0f} {1e3 * e['bytes'] / bw:>9.1f} "
+            f"{e['round_ms']:>12.1f} {e['bytes'] / (bw * e['round_ms'] / 1e3):>6.2f} "
+            f"{1e3 * e['bytes'] / (bw * mbu_i):>17.1f}")
+    for e in cal["prefill"]:
+      print(f"prefill {e['input']} tokens: {1e3 * e['seconds']:.1f} ms, MFU {e['mfu']:.2f}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                        "calibration", "local-cpu.json")
+    with open(path, "w") as f:
+      json.dump(cal, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class HardwareProfile:
   host_link: str = ""
   peak_tflops_f32: Optional[float] = None
   description: str = ""
+  compute_dtype: str = "bfloat16"  # which peak a step runs against (CPUs here: float32)
 
   @property
   def bandwidth(self) -> float:
@@ -27,7 +28,10 @@ class HardwareProfile:
 
   @property
   def peak_flops(self) -> float:
-    tf = self.peak_tflops_bf16 or self.peak_tflops_f32
+    if self.compute_dtype == "float32":
+      tf = self.peak_tflops_f32
+    else:
+      tf = self.peak_tflops_bf16 or self.peak_tflops_f32
     if not tf:
       raise ValueError(f"hardware {self.name!r} has no peak FLOP/s in its profile")
     return tf * 1e12
