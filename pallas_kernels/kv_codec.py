@@ -102,7 +102,7 @@ def bits_to_fp8(b):
 
 def quantize_q8_0(x):
   """x [..., H] float -> (codes int8 [..., H], scale bits uint16 [..., H/32])."""
-  g = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, GROUP)
+  g = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
   amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
   d = (amax / 127.0).astype(jnp.float16).astype(jnp.float32)
   inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
@@ -112,7 +112,7 @@ def quantize_q8_0(x):
 
 def dequantize_q8_0(codes, scale_bits, dtype=jnp.float32):
   d = bits_to_f16(scale_bits).astype(jnp.float32)
-  g = codes.astype(jnp.float32).reshape(*codes.shape[:-1], -1, GROUP)
+  g = codes.astype(jnp.float32).reshape(*codes.shape[:-1], codes.shape[-1] // GROUP, GROUP)
   return (g * d[..., None]).reshape(codes.shape).astype(dtype)
 
 
@@ -121,7 +121,7 @@ def quantize_q4_0(x):
 
   GGML Q4_0: d = (signed value of largest magnitude) / -8, q = round(x/d + 8) in [0, 15].
   """
-  g = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, GROUP)
+  g = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
   idx = jnp.argmax(jnp.abs(g), axis=-1, keepdims=True)
   vmax = jnp.take_along_axis(g, idx, axis=-1)
   d = (vmax / -8.0).astype(jnp.float16).astype(jnp.float32)
@@ -134,7 +134,7 @@ def quantize_q4_0(x):
 
 def dequantize_q4_0(codes, scale_bits, dtype=jnp.float32):
   d = bits_to_f16(scale_bits).astype(jnp.float32)
-  b = codes.reshape(*codes.shape[:-1], -1, GROUP // 2)
+  b = codes.reshape(*codes.shape[:-1], codes.shape[-1] * 2 // GROUP, GROUP // 2)
   lo = (b & 0xF).astype(jnp.float32) - 8.0
   hi = (b >> 4).astype(jnp.float32) - 8.0
   g = jnp.concatenate([lo, hi], axis=-1) * d[..., None]
@@ -221,3 +221,27 @@ def gather_pages(pool, layer, page_table, dtype=jnp.float32):
     K_, R, Pm, ps, H = x.shape
     out.append(x.reshape(K_, R, Pm * ps, H))
   return out[0], out[1]
+
+
+# --- Q precision (8.4.4: storage format vs compute precision) ----------------------------
+
+Q_PRECISIONS = ("native", "kv")
+
+
+def round_q(fmt: KVFormat, q, q_precision: str = "native"):
+  """"native": Q stays in the compute dtype (e.g. BF16 Q against FP8 KV, variant (c) of
+  8.4.4). "kv": Q is rounded through the KV format's compute path first (FP8 KV with an
+  FP8 compute path, variant (b)): fp8 with a per-vector scale, q8_0 / q4_0 groups, bf16.
+  q [..., H] float."""
+  if q_precision == "native" or fmt.name == "f32":
+    return q
+  if q_precision != "kv":
+    raise ValueError(f"unknown Q precision {q_precision!r}; choose one of {Q_PRECISIONS}")
+  x = q.astype(jnp.float32)
+  if fmt.name == "bf16":
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+  if fmt.name == "fp8":
+    sc = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / FP8_MAX
+    return dequantize_fp8(quantize_fp8(x, sc), sc)
+  codes, scales = encode(fmt, x)
+  return decode(fmt, codes, scales)

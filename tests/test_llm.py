@@ -54,3 +54,15 @@ def test_kv_pool_too_small_is_an_error(smollm2):
                                               page_sizes=(64,)))
   with pytest.raises(RequestTooLargeError, match="pool has only 2 pages of 4 tokens"):
     small.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+
+
+@pytest.mark.slow
+def test_pallas_backend_greedy_equals_reference(smollm2):
+  """--attention=pallas (interpret mode on CPU) gives the reference's greedy tokens."""
+  table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_sizes=(4,))
+  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  outs = {}
+  for backend in ("reference", "pallas"):
+    llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, attention=backend)
+    outs[backend] = llm.generate(["The capital of France is"], sp)[0].token_ids
+  assert outs["pallas"] == outs["reference"]

@@ -62,17 +62,18 @@ def _attend(q, k_new, v_new, pool, layer, page_table, query_start, query_len, ca
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
-                           sm_scale=None):
+                           sm_scale=None, q_precision: str = "native"):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
 
   pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.
   page_table [R, Pmax] int32; query_start, query_len, cached_len [R] int32.
   The last `num_prefill_slots` slots hold up to max_query_len new tokens each, the
   others at most one (None: every slot may hold max_query_len). Tokens not covered by
-  any request (padding) get zeros.
+  any request (padding) get zeros. q_precision: see kv_codec.round_q (8.4.4).
   """
   T, N, H = q.shape
   R = page_table.shape[0]
+  q = kv_codec.round_q(kv_codec.get_format(kv_codec.pool_format(pool)), q, q_precision)
   Rp = R if num_prefill_slots is None else num_prefill_slots
   scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
   args = (page_table, query_start, query_len, cached_len)
