@@ -89,8 +89,10 @@ class BucketTable:
     return self.page_sizes[-1]
 
   def select(self, num_tokens: int, num_decode: int, max_pages: int,
-             max_query_len: int = 1, num_prefill: int = 0) -> Bucket:
-    """num_decode one-token requests plus num_prefill requests of up to max_query_len."""
+             max_query_len: int = 1, num_prefill: int = 0, num_logits: int = 0) -> Bucket:
+    """num_decode one-token requests plus num_prefill requests of up to max_query_len.
+    Logits rows are one per request slot (S = R) unless a step verifies drafts and needs
+    more (S = T)."""
     T = self._pick(self.token_sizes, num_tokens, "tokens per step")
     if num_prefill:
       Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
@@ -101,10 +103,11 @@ class BucketTable:
     return Bucket(num_tokens=T, num_requests=R,
                   pages_per_request=self._pick(self.page_sizes, max(max_pages, 1),
                                                "pages per request"),
-                  max_query_len=Q, num_logits=R, prefill_slots=Rp)
+                  max_query_len=Q, num_logits=R if num_logits <= R else T, prefill_slots=Rp)
 
-  def all_buckets(self) -> Iterator[Bucket]:
-    """Every shape `select` can return (the warm-up set)."""
+  def all_buckets(self, verify: bool = False) -> Iterator[Bucket]:
+    """Every shape `select` can return (the warm-up set); verify: also the shapes of
+    speculative verify steps (logits at every token, S = T)."""
     seen = set()
     for R, P, T in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes):
       if T < R and T != self.token_sizes[-1]:
@@ -112,7 +115,8 @@ class BucketTable:
       shapes = [(1, 0)] + [(min(Q, T), Rp) for Q in self.query_sizes
                            for Rp in self.prefill_slot_sizes if Rp <= R and Q <= T]
       for Q, Rp in shapes:
-        b = Bucket(T, R, P, Q, R, Rp)
-        if b not in seen:
-          seen.add(b)
-          yield b
+        for S in ((R, T) if verify and Rp else (R,)):
+          b = Bucket(T, R, P, Q, S, Rp)
+          if b not in seen:
+            seen.add(b)
+            yield b

@@ -55,3 +55,53 @@ def sample(logits, temperature, top_k, top_p, seed, counter):
   logprobs = jax.nn.log_softmax(logits, axis=-1)
   lp = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
   return ids, lp
+
+
+def rejection_sample(p, q, draft, key):
+  """Lossless speculative sampling at one position (8.5.1).
+
+  p, q [S, V]: target and draft distributions (same temperature / top-k / top-p filter
+  applied to both); draft [S]: the drafted token x ~ q. Accept x with probability
+  min(1, p(x) / q(x)); otherwise sample from normalize([p - q]+). The emitted token is
+  distributed exactly as p. Returns (token [S] int32, accepted [S] bool).
+  """
+  rows = jnp.arange(p.shape[0])
+  px, qx = p[rows, draft], q[rows, draft]
+  k_u, k_r = jax.random.split(key)
+  u = jax.random.uniform(k_u, (p.shape[0],))
+  accepted = u * qx < px  # u < p/q without dividing by a zero q
+  resid = jnp.maximum(p - q, 0.0)
+  total = jnp.sum(resid, axis=-1, keepdims=True)
+  resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p)
+  resample = jax.random.categorical(k_r, jnp.log(resid), axis=-1).astype(jnp.int32)
+  return jnp.where(accepted, draft.astype(jnp.int32), resample), accepted
+
+
+def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids):
+  """Sample every logits row; rows with a draft token (draft_ids >= 0) also verify it.
+
+  The drafters here draft deterministically (greedy draft model, context lookup), so q
+  is a point mass on the draft token and rejection_sample accepts it with probability
+  p(x) and otherwise resamples from p without x: exact for any temperature / top-k /
+  top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
+  the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
+  ids, lp = sample(logits, temperature, top_k, top_p, seed, counter)
+  has = draft_ids >= 0
+  d = jnp.where(has, draft_ids, 0)
+  greedy_ok = jnp.argmax(logits, axis=-1).astype(jnp.int32) == d
+
+  def lossless(_):
+    p = filtered_probs(logits, temperature, top_k, top_p)
+    q = jax.nn.one_hot(d, logits.shape[-1], dtype=p.dtype)
+    keys = row_keys(seed, counter)
+    tok, acc = jax.vmap(lambda pp, qq, dd, kk: rejection_sample(pp[None], qq[None], dd[None], kk))(
+        p, q, d, keys)
+    return tok[:, 0], acc[:, 0]
+
+  sampled_draft = has & (temperature > 0)
+  tok_s, acc_s = jax.lax.cond(jnp.any(sampled_draft), lossless, lambda _: (ids, greedy_ok), None)
+  accepted = has & jnp.where(temperature > 0, acc_s, greedy_ok)
+  token = jnp.where(has & (temperature > 0), tok_s, ids)
+  logprobs = jax.nn.log_softmax(logits, axis=-1)
+  lp = jnp.take_along_axis(logprobs, jnp.where(accepted, d, token)[:, None], axis=-1)[:, 0]
+  return token, lp, accepted

@@ -18,9 +18,11 @@ from jaxinfer.model import transformer
 def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
   logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
                                      backend=backend)
-  ids, lp = sampling.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"],
-                            inputs["seed"], inputs["counter"])
-  packed = jnp.stack([ids.astype(jnp.float32), lp], axis=-1)  # [S, 2]: one device->host copy
+  ids, lp, accepted = sampling.verify(logits, inputs["temperature"], inputs["top_k"],
+                                      inputs["top_p"], inputs["seed"], inputs["counter"],
+                                      inputs["draft_ids"])
+  # [S, 3] (token id, logprob, draft accepted): the step's one device -> host copy.
+  packed = jnp.stack([ids.astype(jnp.float32), lp, accepted.astype(jnp.float32)], axis=-1)
   if return_logits:
     return (packed, logits), pool
   return packed, pool

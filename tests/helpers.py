@@ -28,6 +28,7 @@ def _all_positions(step, n):
   a["logits_idx"] = np.arange(n, dtype=np.int32)
   for k in ("temperature", "top_k", "top_p", "seed", "counter"):
     a[k] = np.resize(a[k], n)
+  a["draft_ids"] = np.full(n, -1, np.int32)
   return dataclasses.replace(step, arrays=a)
 
 

@@ -12,7 +12,7 @@ from jaxinfer.runtime.scheduler import StepPlan
 
 @dataclasses.dataclass
 class StepResult:
-  packed: np.ndarray  # [S, 2] float32: (token id, logprob) per logits row
+  packed: np.ndarray  # [S, 3] float32: (token id, logprob, draft accepted) per logits row
   duration_s: float  # execution time (wall, or virtual for the simulator)
 
 

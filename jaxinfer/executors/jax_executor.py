@@ -71,7 +71,7 @@ class JaxExecutor:
       self.pool = {k: a.at[:, :, page].set(data[k]) for k, a in self.pool.items()}
 
   def run(self, step: StepInput, return_logits: bool = False):
-    """Returns packed [S, 2] float32 numpy (token id, logprob) rows (and logits)."""
+    """Returns packed [S, 3] float32 numpy (token id, logprob, accepted) rows (and logits)."""
     out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
                                 attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=return_logits)
@@ -100,4 +100,4 @@ def dummy_inputs(b: Bucket, num_pages: int):
               write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
               cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
               top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
-              counter=z(S))
+              counter=z(S), draft_ids=np.full(S, -1, np.int32))

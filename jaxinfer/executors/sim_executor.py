@@ -45,8 +45,12 @@ class SimExecutor:
   virtual_clock = True
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
-               token_id: int = 0):
+               token_id: int = 0, acceptance: float = 0.0, seed: int = 0):
+    """acceptance: probability that each drafted position is accepted (8.5.2 model of
+    independent positions); drafts are verified against it."""
     self.model = model
+    self.acceptance = acceptance
+    self._rng = np.random.default_rng(seed)
     self.num_pages = num_pages
     self.page_size = page_size
     self.token_id = token_id
@@ -65,7 +69,11 @@ class SimExecutor:
 
   def execute(self, step, plan: StepPlan) -> StepResult:
     """`step` is unused (no arrays are built for the simulator)."""
-    seqs = [(s.num_tokens, s.start) for s in plan.seqs]
-    packed = np.zeros((sum(s.samples for s in plan.seqs), 2), np.float32)
-    packed[:, 0] = self.token_id
+    seqs = [(s.num_step_tokens, s.start) for s in plan.seqs]
+    rows = []
+    for s in plan.seqs:
+      for j in range(s.num_logits):
+        acc = j < len(s.draft) and self._rng.random() < self.acceptance
+        rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
+    packed = np.array(rows, np.float32).reshape(-1, 3)
     return StepResult(packed=packed, duration_s=self.model.step_time(seqs))

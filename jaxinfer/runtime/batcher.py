@@ -28,6 +28,7 @@ class SeqWork:
   top_p: float = 1.0
   seed: int = 0
   sample_index: int = 0  # output index of the first sampled token (seeds the RNG stream)
+  num_draft: int = 0  # trailing tokens that are drafts to verify (speculative decoding)
 
 
 @dataclasses.dataclass
@@ -46,7 +47,8 @@ def select_bucket(works: Sequence[SeqWork], table: BucketTable, page_size: int) 
   n_pre = sum(len(w.token_ids) > 1 for w in works)
   return table.select(sum(len(w.token_ids) for w in works), len(works) - n_pre,
                       max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works),
-                      max(len(w.token_ids) for w in works), n_pre)
+                      max(len(w.token_ids) for w in works), n_pre,
+                      num_logits=sum(w.num_logits for w in works))
 
 
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
@@ -55,9 +57,6 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
   b = select_bucket(works, table, page_size)
-  if sum(w.num_logits for w in works) > b.num_logits:
-    raise ValueError(f"{sum(w.num_logits for w in works)} logits rows exceed the bucket's "
-                     f"{b.num_logits} (one per request slot)")
   T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
 
   token_ids = np.zeros(T, np.int32)
@@ -74,6 +73,7 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   top_p = np.ones(S, np.float32)
   seed = np.zeros(S, np.uint32)
   counter = np.zeros(S, np.int32)
+  draft_ids = np.full(S, -1, np.int32)
   rows: List[Tuple[int, int]] = []
 
   # One-token (decode) works take the first slots, multi-token works the last Rp slots.
@@ -107,6 +107,11 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
       temperature[i], top_k[i], top_p[i] = w.temperature, w.top_k, w.top_p
       seed[i] = np.uint32(w.seed & 0xFFFFFFFF)
       counter[i] = w.sample_index + j
+      # Row j predicts the token after position j of the logits window; when that next
+      # token was drafted, the row verifies it (8.5.1).
+      nxt = n - w.num_logits + j + 1
+      if w.num_draft and nxt < n and nxt >= n - w.num_draft:
+        draft_ids[i] = w.token_ids[nxt]
       rows.append((len(rows), j))
     t += n
   # Padding request slots point at an empty range past the real tokens.
@@ -117,5 +122,6 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   arrays = dict(token_ids=token_ids, positions=positions, write_page=write_page,
                 write_offset=write_offset, page_table=page_table, query_start=query_start,
                 query_len=query_len, cached_len=cached_len, logits_idx=logits_idx,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter,
+                draft_ids=draft_ids)
   return StepInput(arrays=arrays, bucket=b, logits_rows=rows, num_tokens=n_tok)

@@ -83,7 +83,10 @@ class Engine:
                buckets: BucketTable, tokenizer=None, eos_token_ids: Sequence[int] = (),
                max_model_len: int = 1 << 30, prefix_cache: bool = False,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
-               estimate_time: Optional[Callable[[Request, int], float]] = None):
+               estimate_time: Optional[Callable[[Request, int], float]] = None,
+               drafter=None, draft_policy=None):
+    """drafter / draft_policy: speculative decoding (runtime.speculative); drafts are
+    verified in the next target step."""
     self.executor = executor
     self.config = config
     self.buckets = buckets
@@ -104,6 +107,10 @@ class Engine:
     self._vclock = 0.0
     self._t0 = time.perf_counter()
     self._in_flight: Optional[InFlight] = None
+    self.drafter = drafter
+    self.draft_policy = draft_policy
+    self.draft_time_s = 0.0
+    self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
 
   # --- clock -------------------------------------------------------------------------------
   def now(self) -> float:
@@ -178,6 +185,8 @@ class Engine:
   def launch(self) -> Optional[InFlight]:
     """Schedule and start one step. None when nothing can run now."""
     assert self._in_flight is None, "finish() the step in flight first"
+    if self.drafter is not None:
+      self._draft()
     now = self.now()
     plan = self.scheduler.schedule(now)
     if plan.empty:
@@ -191,9 +200,10 @@ class Engine:
       ex.copy_pages(plan.copies)
     works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
                      page_table=self.pm.page_table(s.request.request_id),
-                     num_logits=int(s.samples), temperature=s.request.sampling.temperature,
+                     num_logits=s.num_logits, temperature=s.request.sampling.temperature,
                      top_k=s.request.sampling.top_k, top_p=s.request.sampling.top_p,
-                     seed=s.request.seed, sample_index=len(s.request.output_token_ids))
+                     seed=s.request.seed, sample_index=len(s.request.output_token_ids),
+                     num_draft=len(s.draft))
              for s in plan.seqs]
     if ex.virtual_clock:
       step = None
@@ -217,17 +227,26 @@ class Engine:
     end = self.now()
     self.pm.complete_step(f.step_id)
     self._in_flight = None
-    sampled = [(result.packed[i, 0], result.packed[i, 1])
-               for i in range(sum(s.samples for s in f.plan.seqs))]
+    sampled = [(result.packed[i, 0], result.packed[i, 1], bool(result.packed[i, 2]))
+               for i in range(sum(s.num_logits for s in f.plan.seqs))]
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
+    tokens = f.bucket[0]
+    old = self._step_time_by_tokens.get(tokens)
+    self._step_time_by_tokens[tokens] = result.duration_s if old is None else (
+        0.8 * old + 0.2 * result.duration_s)
     n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
     self.steps.append(StepRecord(len(self.steps), f.start, end - f.start, len(f.plan.seqs),
                                  n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
                                  len(f.plan.preempted),
                                  [(s.request.request_id, s.num_tokens, s.is_prefill)
                                   for s in f.plan.seqs]))
-    return [TokenEvent(r.request_id, r.output_token_ids[-1], r.logprobs[-1], end,
-                       r.state.done, r.finish_reason) for r in emitted]
+    events = []
+    for r, n in emitted:
+      for j in range(len(r.output_token_ids) - n, len(r.output_token_ids)):
+        last = j == len(r.output_token_ids) - 1
+        events.append(TokenEvent(r.request_id, r.output_token_ids[j], r.logprobs[j], end,
+                                 r.state.done and last, r.finish_reason if last else None))
+    return events
 
   def step(self) -> List[TokenEvent]:
     """One iteration; if nothing can run, wait for the next arrival first."""
@@ -253,6 +272,49 @@ class Engine:
 
   def metrics(self, correct=None) -> Dict:
     return summarize(list(self.requests.values()), self.steps, correct)
+
+  # --- speculative decoding (8.5) -------------------------------------------------------------
+  def _round_time(self, batch: int) -> Callable[[int], float]:
+    """Estimated time of a verify step in which one request carries m drafts, the
+    other batch - 1 requests one token each; padding to the next token bucket counts."""
+    model = getattr(self.executor, "model", None)
+
+    def t(m: int) -> float:
+      n = batch + m
+      try:
+        padded = self.buckets._pick(self.buckets.token_sizes, n, "tokens")
+      except ValueError:
+        return float("inf")
+      if model is not None:
+        return model.step_time([(1 + m, 0)] + [(1, 0)] * (batch - 1)) * padded / max(n, 1)
+      known = self._step_time_by_tokens
+      if padded in known:
+        return known[padded]
+      if known:  # nearest measured bucket, scaled by tokens
+        k = min(known, key=lambda x: abs(x - padded))
+        return known[k] * max(padded, 1) / max(k, 1)
+      return float(padded)
+
+    return t
+
+  def _draft(self) -> None:
+    decoding = [r for r in self.scheduler.running if not r.in_prefill and not r.state.done]
+    if not decoding:
+      return
+    policy = self.draft_policy
+    round_time = self._round_time(len(decoding)) if policy and policy.adaptive else None
+    lengths = {}
+    for r in decoding:
+      m = policy.length(r, round_time) if policy else 0
+      # Never draft past max_tokens or the context window.
+      room = min(r.sampling.max_tokens - len(r.output_token_ids) - 1,
+                 self.max_model_len - r.num_tokens - 1)
+      lengths[r.request_id] = max(min(m, room), 0)
+    t0 = time.perf_counter()
+    drafts = self.drafter.propose(decoding, lengths)
+    self.draft_time_s += time.perf_counter() - t0
+    for r in decoding:
+      r.draft = list(drafts.get(r.request_id, []))[:lengths[r.request_id]]
 
   # --- deadline estimate from the simulator's step model (8.6.1) ---------------------------------
   def _estimate_from_step_model(self, r: Request, batch: int) -> float:

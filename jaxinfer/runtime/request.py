@@ -60,6 +60,14 @@ class Request:
   recomputed_tokens: int = 0  # extra tokens scheduled because of preemption
   cached_tokens: int = 0  # prompt tokens served by the prefix cache
   prefix_nodes: list = dataclasses.field(default_factory=list)
+  # Speculative decoding (8.5): drafts to verify next step, and per-position statistics.
+  draft: List[int] = dataclasses.field(default_factory=list)
+  spec_rounds: int = 0
+  spec_drafted: int = 0
+  spec_accepted: int = 0
+  spec_emitted: int = 0
+  accepted_by_position: List[int] = dataclasses.field(default_factory=list)
+  drafted_by_position: List[int] = dataclasses.field(default_factory=list)
 
   def set_state(self, new: State) -> None:
     if new not in _ALLOWED.get(self.state, ()):

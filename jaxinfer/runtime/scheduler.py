@@ -52,15 +52,24 @@ class SchedulerConfig:
 class ScheduledSeq:
   request: Request
   start: int  # first new token's position (= tokens already computed)
-  num_tokens: int  # new tokens this step
+  num_tokens: int  # new known tokens this step
+  draft: List[int] = dataclasses.field(default_factory=list)  # drafts verified after them
 
   @property
   def token_ids(self) -> List[int]:
-    return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+    return self.request.all_token_ids[self.start:self.start + self.num_tokens] + self.draft
+
+  @property
+  def num_step_tokens(self) -> int:
+    return self.num_tokens + len(self.draft)
 
   @property
   def samples(self) -> bool:
     return self.start + self.num_tokens == self.request.num_tokens
+
+  @property
+  def num_logits(self) -> int:
+    return (1 + len(self.draft)) if self.samples else 0
 
   @property
   def is_prefill(self) -> bool:
@@ -79,7 +88,7 @@ class StepPlan:
 
   @property
   def num_tokens(self) -> int:
-    return sum(s.num_tokens for s in self.seqs)
+    return sum(s.num_step_tokens for s in self.seqs)
 
   @property
   def empty(self) -> bool:
@@ -145,10 +154,11 @@ class Scheduler:
       n = self._chunk(r, budget, chunked, first=not plan.seqs)
       if n == 0:
         continue
-      if not self._grow(r, n, plan):
+      draft = r.draft[:max(budget - n, 0)] if (r.draft and not r.in_prefill) else []
+      if not self._grow(r, n + len(draft), plan):
         continue  # r itself was preempted
-      plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
-      budget -= n
+      plan.seqs.append(ScheduledSeq(r, r.num_computed, n, draft))
+      budget -= n + len(draft)
 
     # 2. Admissions.
     if cfg.policy == "fixed" and self.running:
@@ -286,29 +296,59 @@ class Scheduler:
       self.pm.free(r.request_id)
 
   # --- after the step ---------------------------------------------------------------------
-  def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float]], now: float,
-                  stop_check: Callable[[Request], Optional[str]]) -> List[Request]:
-    """Apply a step's results. `sampled` has one (token, logprob) per sampling seq, in
-    plan order. Returns requests that got a token (finished ones included)."""
+  def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float, bool]], now: float,
+                  stop_check: Callable[[Request], Optional[str]]) -> List[Tuple[Request, int]]:
+    """Apply a step's results. `sampled` has one (token, logprob, draft accepted) per
+    logits row, in plan order. A verified draft keeps its longest accepted prefix plus the
+    target's correction or bonus token (8.5.1); the KV of rejected positions is rolled
+    back. Returns (request, tokens emitted) for requests that got tokens."""
     it = iter(sampled)
     emitted = []
     for s in plan.seqs:
       r = s.request
-      tok = next(it) if s.samples else None
+      rows = [next(it) for _ in range(s.num_logits)]
       if r.state.done or r not in self.running:
         continue  # aborted or preempted while the step ran
-      r.num_computed = s.start + s.num_tokens
-      if tok is None:
+      if not rows:
+        r.num_computed = s.start + s.num_tokens
         continue
-      r.output_token_ids.append(int(tok[0]))
-      r.logprobs.append(float(tok[1]))
-      r.token_times.append(now)
+      new = []
+      for j, (tok, lp, acc) in enumerate(rows):
+        if j < len(s.draft) and acc:
+          new.append((s.draft[j], lp))
+          continue
+        new.append((int(tok), lp))
+        break
+      if s.draft:
+        n_acc = len(new) - 1
+        r.spec_rounds += 1
+        r.spec_drafted += len(s.draft)
+        r.spec_accepted += n_acc
+        r.spec_emitted += len(new)
+        for j in range(len(s.draft)):
+          if len(r.drafted_by_position) <= j:
+            r.drafted_by_position.append(0)
+            r.accepted_by_position.append(0)
+          r.drafted_by_position[j] += 1
+          r.accepted_by_position[j] += int(j < n_acc)
+      # K/V is valid for the known tokens and the accepted drafts; roll back the rest.
+      r.num_computed = s.start + s.num_tokens + len(new) - 1
+      if self.pm.num_tokens(r.request_id) > r.num_computed:
+        self.pm.rollback(r.request_id, r.num_computed)
+      r.draft = []
       if r.state == State.PREFILL:
         r.set_state(State.DECODE)
-      reason = stop_check(r)
-      if reason is not None:
-        self._finish(r, reason, now)
-      emitted.append(r)
+      count = 0
+      for tok, lp in new:
+        r.output_token_ids.append(int(tok))
+        r.logprobs.append(float(lp))
+        r.token_times.append(now)
+        count += 1
+        reason = stop_check(r)
+        if reason is not None:
+          self._finish(r, reason, now)
+          break
+      emitted.append((r, count))
     return emitted
 
   def _finish(self, r: Request, reason: str, now: float) -> None:
