@@ -35,6 +35,9 @@ class RequestOutput:
   token_times: List[float] = dataclasses.field(default_factory=list)
   cached_tokens: int = 0
   num_preemptions: int = 0
+  rounds: int = 0  # speculative verify rounds
+  accepted_per_round: float = 0.0
+  mean_tokens_per_round: float = 0.0
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -51,7 +54,10 @@ class RequestOutput:
                token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
                logprobs=list(r.logprobs), ttft_s=ttft, decode_tok_s=dec,
                token_times=[t - r.arrival_time for t in r.token_times],
-               cached_tokens=r.cached_tokens, num_preemptions=r.num_preemptions)
+               cached_tokens=r.cached_tokens, num_preemptions=r.num_preemptions,
+               rounds=r.spec_rounds,
+               accepted_per_round=r.spec_accepted / r.spec_rounds if r.spec_rounds else 0.0,
+               mean_tokens_per_round=r.spec_emitted / r.spec_rounds if r.spec_rounds else 0.0)
 
 
 class LLM:
@@ -61,7 +67,11 @@ class LLM:
                kv_format: str = "f32", page_size: int = 16, num_pages: int = 1024,
                max_model_len: Optional[int] = None, attention: str = "reference",
                buckets: Optional[BucketTable] = None, scan_layers: bool = True,
-               scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False):
+               scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
+               speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
+               early_exit_layers: Optional[int] = None):
+    """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
+    adaptive_draft: choose each request's draft length by 8.5.4's marginal rule."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
@@ -79,9 +89,14 @@ class LLM:
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
         cache_key=(self.cfg.name, "", kv_format))
     eos = tuple(self.cfg.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
+    from jaxinfer.executors.drafters import make_drafter
+    from jaxinfer.runtime.speculative import DraftLengthPolicy
+    drafter = make_drafter(speculative,
+                           early_exit_layers=early_exit_layers or self.cfg.num_layers // 2)
     self.engine = Engine(self.executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
                          eos_token_ids=eos, max_model_len=self.max_model_len,
-                         prefix_cache=prefix_cache)
+                         prefix_cache=prefix_cache, drafter=drafter,
+                         draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":

@@ -48,3 +48,19 @@ def enable_compilation_cache(path: str | None = None) -> str:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
+  """Early-exit self-draft (8.5.3): the target's first `num_layers` layers, its final
+  norm and LM head; writes those layers' K/V for the drafted positions (the verify step
+  rewrites every layer there). Returns greedy draft tokens [S] and the pool."""
+  x, ks, vs = transformer.hidden_states(params, pool, inputs, cfg, attn_shape=attn_shape,
+                                        backend=backend, num_layers=num_layers)
+  from jaxinfer.kv import write_tokens
+  pool = write_tokens(pool, ks, vs, inputs["write_page"], inputs["write_offset"])
+  logits = transformer.lm_head(params, x[inputs["logits_idx"]])
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), pool
+
+
+draft_step = jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
+                     donate_argnums=(1,))

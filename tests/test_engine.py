@@ -83,10 +83,12 @@ def test_sim_and_real_make_the_same_decisions(smollm2):
   assert real == sim
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_speculative_greedy_equals_plain_greedy(smollm2, adaptive):
-  """n-gram drafts verified in the target step: token-for-token the plain greedy output,
-  under batching, chunking and (reserve='none', small pool) preemption."""
+@pytest.mark.parametrize("drafter,adaptive", [("ngram", False), ("ngram", True),
+                                              ("early_exit", False)])
+def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
+  """Drafts verified in the target step: token-for-token the plain greedy output, under
+  batching, chunking and (reserve='none', small pool) preemption."""
+  from jaxinfer.executors.drafters import make_drafter
   from jaxinfer.runtime import speculative
   tok = smollm2.tokenizer
   texts = ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
@@ -99,7 +101,7 @@ def test_speculative_greedy_equals_plain_greedy(smollm2, adaptive):
   plain.run()
   cfg = SchedulerConfig("chunked", 4, 32, 16, reserve="none")
   ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=12, page_size=8)
-  eng = Engine(ex, cfg, buckets=TABLE, drafter=speculative.NgramDrafter(),
+  eng = Engine(ex, cfg, buckets=TABLE, drafter=make_drafter(drafter, early_exit_layers=20),
                draft_policy=speculative.DraftLengthPolicy(num_draft=4, adaptive=adaptive))
   got = [eng.add_request(p, sp) for p in prompts]
   eng.run()

@@ -62,7 +62,8 @@ def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: i
 def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
   """Write x [L, T, K, H] at (page_ids[t], offsets[t]); out-of-range pages are dropped."""
   codes = pool[name]  # [L, K, P, page, Hc]
-  L, K, num_pages = codes.shape[:3]
+  _, K, num_pages = codes.shape[:3]
+  L = x.shape[0]  # the first L layers (all of them, or an early-exit drafter's)
   li = jnp.arange(L)[:, None, None]  # indices broadcast to [L, T, K]
   ki = jnp.arange(K)[None, None, :]
   p = page_ids[None, :, None]

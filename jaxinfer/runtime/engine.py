@@ -109,6 +109,8 @@ class Engine:
     self._in_flight: Optional[InFlight] = None
     self.drafter = drafter
     self.draft_policy = draft_policy
+    if drafter is not None and hasattr(drafter, "bind"):
+      drafter.bind(self)
     self.draft_time_s = 0.0
     self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
 

@@ -97,17 +97,6 @@ class DraftLengthPolicy:
     return m
 
 
-def make_drafter(name: str, **kw) -> Optional[Drafter]:
-  if name in ("none", "", None):
-    return None
-  if name == "ngram":
-    return NgramDrafter(**kw)
-  if name == "fixed":
-    return FixedDrafter(**kw)
-  raise ValueError(f"unknown drafter {name!r}; available: none, ngram, fixed "
-                   "(early_exit and draft_model are not built yet)")
-
-
 def summarize(requests: Sequence[Request]) -> dict:
   """rounds, accepted_per_round, mean_tokens_per_round, acceptance by position."""
   rounds = sum(r.spec_rounds for r in requests)
