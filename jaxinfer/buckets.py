@@ -97,6 +97,10 @@ class BucketTable:
     if num_prefill:
       Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
       Rp = self._pick(self.prefill_slot_sizes, num_prefill, "prefill requests per step")
+      if num_decode + Rp > self.request_sizes[-1]:
+        # Padding the prefill slots would overflow: every slot takes up to Q tokens.
+        Rp = self._pick(self.prefill_slot_sizes, num_decode + num_prefill, "requests per step")
+        num_decode = 0
     else:
       Q, Rp = 1, 0
     R = self._pick(self.request_sizes, num_decode + Rp, "requests per step")

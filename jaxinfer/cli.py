@@ -34,7 +34,8 @@ flags.DEFINE_integer("num_draft", 4, "longest draft per round (m)")
 flags.DEFINE_bool("adaptive_draft", False, "per-request draft length by 8.5.4's marginal rule")
 flags.DEFINE_integer("early_exit_layers", 0, "early_exit: layers of the target used to draft "
                      "(0 = half)")
-flags.DEFINE_string("draft_model", "", "draft_model: a model name or path (not built yet)")
+flags.DEFINE_string("draft_model", "", "draft_model: a model name or path sharing the "
+                    "tokenizer (e.g. a checkpoint from tools/train_draft.py)")
 
 
 def _generate():
@@ -42,12 +43,13 @@ def _generate():
   from jaxinfer.llm import LLM
   prompts = FLAGS.prompt or ["Tell me a short fact about the Moon."]
   t0 = time.perf_counter()
-  if FLAGS.speculative == "draft_model":
-    raise app.UsageError("--speculative=draft_model is not built yet; use ngram or early_exit")
+  if FLAGS.speculative == "draft_model" and not FLAGS.draft_model:
+    raise app.UsageError("--speculative=draft_model needs --draft_model=NAME|PATH")
   llm = LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format, page_size=FLAGS.page_size,
             num_pages=FLAGS.num_pages, attention=FLAGS.attention, speculative=FLAGS.speculative,
             num_draft=FLAGS.num_draft, adaptive_draft=FLAGS.adaptive_draft,
-            early_exit_layers=FLAGS.early_exit_layers or None)
+            early_exit_layers=FLAGS.early_exit_layers or None,
+            draft_model=FLAGS.draft_model or None)
   t_load = time.perf_counter() - t0
   sps = [SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                         seed=FLAGS.seed + i, max_tokens=FLAGS.max_tokens, stop=tuple(FLAGS.stop))

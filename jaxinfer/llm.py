@@ -69,9 +69,10 @@ class LLM:
                buckets: Optional[BucketTable] = None, scan_layers: bool = True,
                scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
                speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
-               early_exit_layers: Optional[int] = None):
+               early_exit_layers: Optional[int] = None, draft_model=None):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
-    adaptive_draft: choose each request's draft length by 8.5.4's marginal rule."""
+    adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
+    draft_model: for speculative="draft_model", a name, path or LoadedModel."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
@@ -91,8 +92,12 @@ class LLM:
     eos = tuple(self.cfg.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
     from jaxinfer.executors.drafters import make_drafter
     from jaxinfer.runtime.speculative import DraftLengthPolicy
+    if speculative == "draft_model" and draft_model is not None and not isinstance(
+        draft_model, LoadedModel):
+      draft_model = load_model(draft_model, dtype, scan_layers=scan_layers)
     drafter = make_drafter(speculative,
-                           early_exit_layers=early_exit_layers or self.cfg.num_layers // 2)
+                           early_exit_layers=early_exit_layers or self.cfg.num_layers // 2,
+                           draft_model=draft_model, draft_pages=num_pages)
     self.engine = Engine(self.executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
                          eos_token_ids=eos, max_model_len=self.max_model_len,
                          prefix_cache=prefix_cache, drafter=drafter,

@@ -16,11 +16,18 @@ def test_select_pads_up_and_all_buckets_cover_it():
       continue
     b = t.select(n_tok, n_dec, pages, q if n_pre else 1, n_pre)
     assert b.num_tokens >= n_tok and b.pages_per_request >= pages
-    assert b.num_requests - b.prefill_slots >= n_dec and b.prefill_slots >= n_pre
+    if b.prefill_slots == b.num_requests:
+      assert b.num_requests >= n_dec + n_pre
+    else:
+      assert b.num_requests - b.prefill_slots >= n_dec and b.prefill_slots >= n_pre
     if n_pre:
       assert b.max_query_len >= min(q, b.num_tokens)
     assert b in warm, b
   assert t.select(5, 1, 1).num_tokens == 16
+  # 5 decodes + 3 prefills fit 8 slots, but 5 + 4 padded prefill slots would not: every
+  # slot becomes prefill-capable.
+  b = t.select(20, 5, 4, 8, 3)
+  assert (b.num_requests, b.prefill_slots) == (8, 8) and b in warm
 
 
 def test_pack_is_padded_and_never_truncates():

@@ -84,7 +84,7 @@ def test_sim_and_real_make_the_same_decisions(smollm2):
 
 
 @pytest.mark.parametrize("drafter,adaptive", [("ngram", False), ("ngram", True),
-                                              ("early_exit", False)])
+                                              ("early_exit", False), ("draft_model", True)])
 def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
   """Drafts verified in the target step: token-for-token the plain greedy output, under
   batching, chunking and (reserve='none', small pool) preemption."""
@@ -101,7 +101,10 @@ def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
   plain.run()
   cfg = SchedulerConfig("chunked", 4, 32, 16, reserve="none")
   ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=12, page_size=8)
-  eng = Engine(ex, cfg, buckets=TABLE, drafter=make_drafter(drafter, early_exit_layers=20),
+  # The draft model here is the target itself (same tokenizer): its drafts are the target's
+  # own greedy choices, so nearly all are accepted.
+  eng = Engine(ex, cfg, buckets=TABLE, drafter=make_drafter(drafter, early_exit_layers=20,
+                                                            draft_model=smollm2, draft_pages=12),
                draft_policy=speculative.DraftLengthPolicy(num_draft=4, adaptive=adaptive))
   got = [eng.add_request(p, sp) for p in prompts]
   eng.run()
@@ -110,5 +113,9 @@ def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
   s = speculative.summarize(got)
   assert s["rounds"] > 0 and s["accepted"] > 0  # the repetitive prompts do accept drafts
   assert s["mean_tokens_per_round"] > 1.0
+  if drafter == "draft_model":
+    assert s["accepted"] >= 0.8 * s["drafted"]
+    eng.drafter.pm.check_invariants()
+    assert eng.drafter.pm.num_free == eng.drafter.pm.num_pages  # its KV released too
   eng.pm.check_invariants()
   assert eng.pm.num_free == eng.pm.num_pages

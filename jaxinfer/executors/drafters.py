@@ -70,12 +70,13 @@ class EarlyExitDrafter:
     return drafts
 
 
-DRAFTERS = ("none", "ngram", "early_exit", "fixed")
+DRAFTERS = ("none", "ngram", "early_exit", "draft_model", "fixed")
 
 
-def make_drafter(name: str, *, early_exit_layers: int = 0, **kw) -> Optional[Drafter]:
-  """none | ngram | early_exit (the target's first `early_exit_layers` layers) | fixed
-  (simulator). The separate draft-model drafter is not built yet."""
+def make_drafter(name: str, *, early_exit_layers: int = 0, draft_model=None,
+                 draft_pages: int = 1024, **kw) -> Optional[Drafter]:
+  """none | ngram | early_exit (the target's first `early_exit_layers` layers) |
+  draft_model (a LoadedModel sharing the tokenizer) | fixed (simulator)."""
   if name in ("none", "", None):
     return None
   if name == "ngram":
@@ -84,5 +85,126 @@ def make_drafter(name: str, *, early_exit_layers: int = 0, **kw) -> Optional[Dra
     return FixedDrafter(**kw)
   if name == "early_exit":
     return EarlyExitDrafter(num_layers=early_exit_layers)
-  raise ValueError(f"unknown drafter {name!r}; available: {DRAFTERS} (draft_model is not "
-                   "built yet)")
+  if name == "draft_model":
+    if draft_model is None:
+      raise ValueError("the draft_model drafter needs a draft model (--draft_model=NAME|PATH)")
+    return DraftModelDrafter(draft_model, num_pages=draft_pages)
+  raise ValueError(f"unknown drafter {name!r}; available: {DRAFTERS}")
+
+
+class DraftModelDrafter:
+  """A separate, smaller model sharing the target's tokenizer (8.5.3): sequential greedy
+  drafting with its own weights, its own paged KV pool and page manager. Its KV is
+  reserved at admission like the target's (the engine registers it with the scheduler)
+  and released with the request. Each round it keeps the K/V of the longest prefix it
+  already processed that the request's context still has (the accepted drafts), catches
+  up on the rest in one prefill chunk, then drafts m tokens one step at a time.
+  """
+  name = "draft_model"
+
+  def __init__(self, loaded, *, num_pages: int, page_size: int = 16,
+               kv_format: str = "f32", backend: str = "reference"):
+    from jaxinfer.executors.jax_executor import JaxExecutor
+    from jaxinfer.runtime.pages import PageManager
+    self.cfg = loaded.cfg
+    self.executor = JaxExecutor(loaded.cfg, loaded.params, num_pages=num_pages,
+                                page_size=page_size, kv_format=kv_format, backend=backend)
+    self.pm = PageManager(num_pages, page_size)
+    self._seq: Dict[object, List[int]] = {}  # tokens whose K/V the draft pool holds
+    self.engine = None
+
+  def bind(self, engine) -> None:
+    tcfg = engine.executor.cfg
+    if tcfg.vocab_size != self.cfg.vocab_size:
+      raise ValueError(f"draft model vocabulary {self.cfg.vocab_size} differs from the "
+                       f"target's {tcfg.vocab_size}: they must share the tokenizer")
+    self.engine = engine
+    engine.scheduler.reservers.append(self)
+
+  # --- admission hooks (Scheduler.reservers) ------------------------------------------------
+  def reserve(self, r) -> bool:
+    if self.pm.has(r.request_id):
+      return True
+    ok = self.pm.add_sequence(r.request_id, reserve_tokens=r.kv_tokens_at_end)
+    if ok:
+      self._seq[r.request_id] = []
+    return ok
+
+  def release(self, r) -> None:
+    if self.pm.has(r.request_id):
+      self.pm.free(r.request_id)
+    self._seq.pop(r.request_id, None)
+
+  # --- drafting -------------------------------------------------------------------------------
+  def _run(self, works):
+    step = pack(works, self.engine.buckets, self.pm.page_size, self.pm.num_pages)
+    sid = self.pm.begin_step()
+    self.pm.note_reads(sid, [p for w in works for p in w.page_table])
+    packed = self.executor.run(step)
+    self.pm.complete_step(sid)
+    return packed
+
+  def _extend(self, rid, tokens) -> bool:
+    """Pages for `tokens` more positions of rid (copy-on-write done); False if short."""
+    copies = self.pm.grow(rid, len(self._seq[rid]) + len(tokens))
+    if copies is None:
+      return False
+    self.executor.copy_pages(copies)
+    return True
+
+  def propose(self, requests, lengths) -> Dict[object, List[int]]:
+    pm, b = self.pm, self.engine.buckets
+    drafts: Dict[object, List[int]] = {r.request_id: [] for r in requests}
+    active = [r for r in requests if lengths.get(r.request_id, 0) > 0 and pm.has(r.request_id)]
+    # 1. Catch up: the draft K/V must cover every context token but the last.
+    pending = []
+    for r in active:
+      rid, ctx = r.request_id, r.all_token_ids[:-1]
+      seq = self._seq[rid]
+      keep = 0
+      while keep < min(len(seq), len(ctx)) and seq[keep] == ctx[keep]:
+        keep += 1
+      del seq[keep:]
+      pm.rollback(rid, keep)
+      if len(ctx) > keep:
+        pending.append((r, ctx[keep:]))
+    while pending:
+      works, used, rest = [], 0, []
+      for r, toks in pending:
+        room = b.max_tokens - used
+        if room <= 1 or len(works) == b.max_requests:
+          rest.append((r, toks))
+          continue
+        chunk = toks[:room]
+        rid = r.request_id
+        if not self._extend(rid, chunk):
+          continue  # pool short: this request gets no drafts this round
+        works.append(SeqWork(chunk, len(self._seq[rid]), pm.page_table(rid), num_logits=0))
+        self._seq[rid].extend(chunk)
+        used += len(chunk)
+        if len(toks) > len(chunk):
+          rest.append((r, toks[len(chunk):]))
+      if not works:
+        break
+      self._run(works)
+      pending = rest
+    # 2. Draft m tokens one position at a time for all requests together.
+    ready = [r for r in active if len(self._seq[r.request_id]) == r.num_tokens - 1]
+    for j in range(max((lengths[r.request_id] for r in ready), default=0)):
+      batch, works = [], []
+      for r in ready:
+        rid = r.request_id
+        if j >= lengths[rid]:
+          continue
+        tok = drafts[rid][-1] if drafts[rid] else r.all_token_ids[-1]
+        if not self._extend(rid, [tok]):
+          continue
+        works.append(SeqWork([tok], len(self._seq[rid]), pm.page_table(rid)))
+        self._seq[rid].append(tok)
+        batch.append(r)
+      if not works:
+        break
+      packed = self._run(works)
+      for i, r in enumerate(batch):
+        drafts[r.request_id].append(int(packed[i, 0]))
+    return drafts

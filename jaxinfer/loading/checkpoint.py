@@ -19,7 +19,8 @@ from jaxinfer.loading.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(path: str, params, cfg: ModelConfig) -> None:
+def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str = "") -> None:
+  """tokenizer_source: a .gguf file or HF directory whose tokenizer the model uses."""
   import orbax.checkpoint as ocp
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
@@ -29,6 +30,9 @@ def save_checkpoint(path: str, params, cfg: ModelConfig) -> None:
   ckpt.wait_until_finished()
   with open(os.path.join(path, "model_config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=1)
+  if tokenizer_source:
+    with open(os.path.join(path, "tokenizer_source"), "w") as f:
+      f.write(os.path.abspath(tokenizer_source))
 
 
 def is_checkpoint(path: str) -> bool:

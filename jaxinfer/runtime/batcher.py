@@ -81,8 +81,9 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   t = 0
   next_dec, next_pre = 0, R - b.prefill_slots
   slots = []
+  all_prefill = b.prefill_slots == R  # every slot may take Q tokens (see BucketTable.select)
   for w in works:
-    if len(w.token_ids) == 1:
+    if len(w.token_ids) == 1 and not all_prefill:
       slots.append(next_dec)
       next_dec += 1
     else:
@@ -94,6 +95,7 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
     end = w.cached_len + n
     assert len(pt) * page_size >= end, "page table too short for the step's tokens"
     assert 0 < w.num_logits <= n or w.num_logits == 0
+    pt = pt[:-(-end // page_size)]  # pages past this step's tokens are not read
     page_table[r, :len(pt)] = pt
     query_start[r], query_len[r], cached_len[r] = t, n, w.cached_len
     pos = np.arange(w.cached_len, end, dtype=np.int32)

@@ -110,6 +110,10 @@ class Scheduler:
     self.max_step_tokens = max_step_tokens
     self.max_step_requests = max_step_requests
     self.estimate_time = estimate_time
+    # Other KV that a request needs alongside its own (a draft model's): objects with
+    # reserve(request) -> bool and release(request), consulted at admission and freed
+    # with the request.
+    self.reservers: List = []
     self.waiting: List[Request] = []
     self.running: List[Request] = []
     self._order = itertools.count()
@@ -228,8 +232,15 @@ class Scheduler:
         return False
       plan.fetches.extend(fetched)
       self.cache.unlock(nodes)
+    for i, hook in enumerate(self.reservers):  # e.g. a draft model's own KV (8.5.4)
+      if not hook.reserve(r):
+        for h in self.reservers[:i]:
+          h.release(r)
+        return False
     ok = pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve)
     if not ok:
+      for h in self.reservers:
+        h.release(r)
       return False
     if self.cache is not None:
       self.cache.lock(nodes)
@@ -289,6 +300,8 @@ class Scheduler:
     plan.preempted.append(r)
 
   def _release(self, r: Request) -> None:
+    for h in self.reservers:
+      h.release(r)
     if self.cache is not None and r.prefix_nodes:
       self.cache.unlock(r.prefix_nodes)
     r.prefix_nodes = []
