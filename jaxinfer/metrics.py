@@ -22,6 +22,11 @@ class StepRecord:
   bucket: tuple
   num_preempted: int = 0
   members: list = dataclasses.field(default_factory=list)  # (request id, tokens, is_prefill)
+  # speculative decoding (8.5.3): drafting time before this (verify) step, and its counts
+  draft_s: float = 0.0
+  drafted: int = 0
+  accepted: int = 0
+  emitted: int = 0
 
   @property
   def end(self) -> float:

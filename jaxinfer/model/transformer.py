@@ -36,9 +36,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
   lp = params["layers"]
   L = cfg.num_layers if num_layers is None else num_layers
-  if isinstance(lp, dict):  # stacked: layers under lax.scan
-    if L != cfg.num_layers:
-      lp = jax.tree_util.tree_map(lambda a: a[:L], lp)
+  if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
 
     def body(x, xs):
       p, i = xs
@@ -46,6 +44,15 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
+  elif isinstance(lp, dict):  # the first L layers: index the stacked weights in the loop
+    # (a static slice lp[:L] would copy L layers' weights on every call)
+
+    def body_i(x, i):
+      p = jax.tree_util.tree_map(lambda a: a[i], lp)
+      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+      return x, (k, v)
+
+    x, (ks, vs) = jax.lax.scan(body_i, x, jnp.arange(L, dtype=jnp.int32))
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):

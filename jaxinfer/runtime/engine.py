@@ -52,6 +52,7 @@ class InFlight:
   start: float
   bucket: tuple
   padded: int
+  draft_s: float = 0.0
 
 
 def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Request], Optional[str]]:
@@ -187,8 +188,11 @@ class Engine:
   def launch(self) -> Optional[InFlight]:
     """Schedule and start one step. None when nothing can run now."""
     assert self._in_flight is None, "finish() the step in flight first"
+    draft_s = 0.0
     if self.drafter is not None:
+      t0 = time.perf_counter()
       self._draft()
+      draft_s = time.perf_counter() - t0
     now = self.now()
     plan = self.scheduler.schedule(now)
     if plan.empty:
@@ -218,7 +222,7 @@ class Engine:
     self._in_flight = InFlight(plan, handle, step_id, now,
                                (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len,
                                 b.prefill_slots),
-                               b.num_tokens - plan.num_tokens)
+                               b.num_tokens - plan.num_tokens, draft_s)
     return self._in_flight
 
   def finish(self, f: InFlight) -> List[TokenEvent]:
@@ -237,11 +241,14 @@ class Engine:
     self._step_time_by_tokens[tokens] = result.duration_s if old is None else (
         0.8 * old + 0.2 * result.duration_s)
     n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
+    drafted = sum(len(s.draft) for s in f.plan.seqs)
+    emitted_n = sum(n for _, n in emitted)
     self.steps.append(StepRecord(len(self.steps), f.start, end - f.start, len(f.plan.seqs),
                                  n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
                                  len(f.plan.preempted),
                                  [(s.request.request_id, s.num_tokens, s.is_prefill)
-                                  for s in f.plan.seqs]))
+                                  for s in f.plan.seqs], f.draft_s, drafted,
+                                 max(emitted_n - len(emitted), 0) if drafted else 0, emitted_n))
     events = []
     for r, n in emitted:
       for j in range(len(r.output_token_ids) - n, len(r.output_token_ids)):
