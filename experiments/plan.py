@@ -17,7 +17,6 @@ import os
 from absl import app, flags
 
 from jaxinfer import costmodel
-from jaxinfer.config import get_model_config
 from jaxinfer.costmodel import formulas as F
 from jaxinfer.costmodel.select import plot_plane, select
 from jaxinfer.runtime import accounting

@@ -6,7 +6,6 @@ timing line goes to stderr.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 

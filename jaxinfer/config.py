@@ -6,7 +6,7 @@ is hashable so a config can be a static argument of a jitted function.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)

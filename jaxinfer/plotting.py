@@ -1,7 +1,7 @@
 """Per-request timelines like the chapter's figures 8-5..8-7 (matplotlib, headless)."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 
 def plot_timeline(requests: Sequence[Dict], steps: Sequence[Dict], path: str,

@@ -35,7 +35,7 @@ def test_ragged_mix_with_nan_poisoned_pages(page_size, prefill_slots):
   # Three requests: decode at context 9, a prefill chunk of 5 after 7 cached, fresh prompt of 6.
   reqs = [(9, 1), (7, 5), (0, 6)]
   perm = rng.permutation(num_pages)
-  tables, off, qs, full = [], 0, [], []
+  tables, off, full = [], 0, []
   T = sum(n for _, n in reqs) + 3  # padding tokens at the end
   q = rng.standard_normal((T, 9, 64)).astype(np.float32)
   kn = rng.standard_normal((T, 3, 64)).astype(np.float32)

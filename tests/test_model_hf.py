@@ -1,5 +1,4 @@
 """The JAX model against HF transformers on the same weights (f32)."""
-import json
 import os
 
 import numpy as np

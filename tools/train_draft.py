@@ -6,7 +6,6 @@ the target generates (8.5.3), with optax; checkpointed with orbax so that
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 

@@ -6,7 +6,7 @@ of SPEC 8.2-8.6 as functions.
 model imports the KV formats (JAX), so it loads on first use.
 """
 from jaxinfer.costmodel.formulas import *  # noqa: F401,F403
-from jaxinfer.costmodel.hardware import HardwareProfile, load_hardware
+from jaxinfer.costmodel.hardware import HardwareProfile, load_hardware  # noqa: F401
 
 _LAZY = ("Calibration", "ModelCosts", "RooflineStepModel", "load_calibration")
 

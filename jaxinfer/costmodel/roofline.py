@@ -101,7 +101,8 @@ def load_calibration(hw: HardwareProfile, costs: ModelCosts,
                      "(tools/measure_hardware.py --calibrate for local-cpu)")
   with open(path) as f:
     d = json.load(f)
-  table_costs = ModelCosts(get_model_config(d["model"]), d.get("bytes_per_param", costs.bytes_per_param),
+  table_costs = ModelCosts(get_model_config(d["model"]),
+                           d.get("bytes_per_param", costs.bytes_per_param),
                            d.get("kv_format", "bf16"), costs.page_size)
   table_hw = load_hardware(d["hardware"]) if d.get("hardware") else hw
   dec = sorted(d["decode"], key=lambda e: e["bytes"])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Sequence, Tuple
+from typing import Protocol, Sequence, Tuple
 
 import numpy as np
 

@@ -8,7 +8,7 @@ positions into the target's own pages (the verify step rewrites all layers there
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 

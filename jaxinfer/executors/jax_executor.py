@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import attention
-from jaxinfer.buckets import Bucket, BucketTable
+from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.executors.base import StepResult

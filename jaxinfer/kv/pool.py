@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from pallas_kernels import kv_codec
-from pallas_kernels.kv_codec import KVFormat, gather_pages, get_format, pool_format
+from pallas_kernels.kv_codec import KVFormat, get_format, pool_format
 
 KVPool = Dict[str, jax.Array]
 

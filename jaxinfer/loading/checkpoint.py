@@ -10,8 +10,6 @@ import json
 import logging
 import os
 
-import jax
-import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.errors import ModelLoadError

@@ -6,7 +6,7 @@ by hand and the capacity of a KV budget computed for any model and KV format.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 
 def pages_for(tokens: int, page_size: int) -> int:

@@ -24,7 +24,7 @@ from jaxinfer.metrics import StepRecord, summarize
 from jaxinfer.runtime.batcher import SeqWork, pack, select_bucket
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
-from jaxinfer.runtime.request import Request, State
+from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ N query heads, K KV heads, G = N / K, H head dim, S = pages per request x page s
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
