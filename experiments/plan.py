@@ -116,25 +116,20 @@ def cmd_prefix_value():
 
 
 def cmd_offload():
+  from jaxinfer.costmodel import offload
   rm = _model()
   c, hw = rm.costs, rm.hw
-  n, nb = FLAGS.offload_sets, FLAGS.prefetch_buffers
-  mem = F.offload_memory(c.ffn_bytes_per_layer, n, nb)
-  t_copy = F.offload_copy_time(c.ffn_bytes_per_layer, n, hw.link_bandwidth)
-  layers = c.cfg.num_layers
+  off = offload.OffloadConfig.count(c.cfg.num_layers, FLAGS.offload_sets, FLAGS.prefetch_buffers)
+  k = c.kv_bytes_per_token
+  acc = offload.account(c.cfg, off, hw.link_bandwidth, FLAGS.input_tokens * k,
+                        (FLAGS.input_tokens + FLAGS.output_tokens - 1) * k)
   round_s = rm.decode_round(1, FLAGS.input_tokens)
-  per_layer = round_s / layers
-  every = max(layers // n, 1) if n else layers + 1
-  copies = [c.ffn_bytes_per_layer / hw.link_bandwidth if (n and i % every == every - 1 and
-                                                          i // every < n) else 0.0
-            for i in range(layers)]
-  step = F.offload_step_time([per_layer] * layers, copies, nb)
+  step = offload.step_time(round_s, c.cfg, off, hw.link_bandwidth)
   total = rm.prefill_time(1, FLAGS.input_tokens) + (FLAGS.output_tokens - 1) * step
-  return {"offload_sets": n, "set_mib": c.ffn_bytes_per_layer / MIB, "prefetch_buffers": nb,
-          "freed_mib": mem["freed_bytes"] / MIB, "buffer_mib": mem["buffer_bytes"] / MIB,
-          "net_mib": mem["net_bytes"] / MIB, "copy_ms_per_step": 1e3 * t_copy,
-          "link": hw.host_link, "round_ms_plain": 1e3 * round_s, "round_ms_offload": 1e3 * step,
-          "request_s": total, "meets_deadline": total <= FLAGS.deadline_s}
+  return {**dataclasses.asdict(acc), "layers": list(off.layers),
+          "prefetch_buffers": off.prefetch_buffers, "link": hw.host_link,
+          "round_ms_plain": 1e3 * round_s, "round_ms_offload": 1e3 * step, "request_s": total,
+          "meets_deadline": total <= FLAGS.deadline_s}
 
 
 def cmd_spec():

@@ -139,3 +139,26 @@ def test_roofline_drives_the_simulator(rtx):
   reqs = eng.run()
   itl = sum(r.itls[5] for r in reqs) / 16
   assert itl == pytest.approx(rtx.decode_round(16, 2048 + 6), rel=0.01)
+
+
+@pytest.mark.parametrize("hardware,link_gbs", [("rtx-pro-6000", 64), ("gh200", 450)])
+def test_offload_accounting_nine_ffn_sets(hardware, link_gbs):
+  """8.4.3 for Qwen3-8B: 9 of 36 FFN sets (288 MiB each) in host memory."""
+  from jaxinfer.costmodel import load_hardware
+  from jaxinfer.costmodel.offload import OffloadConfig, account, step_time
+  hw = load_hardware(hardware)
+  assert hw.link_bandwidth == link_gbs * 1e9
+  for buffers in (1, 2):
+    off = OffloadConfig.count(36, 9, buffers)
+    assert len(off.layers) == 9
+    a = account(QWEN3_8B, off, hw.link_bandwidth, 8192 * 147456, 8447 * 147456)
+    m = F.offload_memory(288 * MIB, 9, buffers)
+    assert a.freed_mib == 9 * 288 and a.buffer_mib == 288 * buffers
+    assert a.net_mib == m["net_bytes"] / MIB
+    assert a.copy_ms_per_step == pytest.approx(1e3 * 9 * 288 * MIB / (link_gbs * 1e9))
+    t = step_time(0.0266, QWEN3_8B, off, hw.link_bandwidth)
+    assert t >= a.copy_ms_per_step / 1e3  # never shorter than its copies
+  serial = step_time(0.0266, QWEN3_8B, OffloadConfig.count(36, 18, 1), 64e9)
+  overlapped = step_time(0.0266, QWEN3_8B, OffloadConfig.count(36, 18, 2), 64e9)
+  assert overlapped < serial
+  assert OffloadConfig.to_free(QWEN3_8B, 2000).layers == OffloadConfig.count(36, 9).layers
