@@ -31,6 +31,8 @@ flags.DEFINE_integer("output_tokens", 256, "G")
 flags.DEFINE_float("deadline_s", 7.0, "deadline")
 flags.DEFINE_bool("json", False, "print JSON")
 flags.DEFINE_string("output_dir", "", "write offload.json and offload.png here")
+flags.DEFINE_bool("real", True, "also measure SmolLM2 on this machine with offload")
+flags.DEFINE_list("real_every", ["0", "6", "3", "1"], "real: offload every k-th layer's FFN")
 
 
 def simulate(model: str, hardware: str, n_sets: int, buffers: int, L: int, G: int) -> dict:
@@ -52,8 +54,42 @@ def simulate(model: str, hardware: str, n_sets: int, buffers: int, L: int, G: in
           "meets_deadline": r.latency <= FLAGS.deadline_s, **dataclasses.asdict(acc)}
 
 
+def measure_real(every_k, buffers, new_tokens=24):
+  """SmolLM2 decode on this machine with every k-th layer's FFN streamed from host memory."""
+  import numpy as np
+  from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  m = measure_real.model = getattr(measure_real, "model", None) or load_model(
+      "smollm2-135m-instruct")
+  off = OffloadConfig.every_kth(m.cfg.num_layers, every_k, buffers) if every_k else None
+  llm = LLM(m, num_pages=64, offload=off,
+            buckets=BucketTable.default(max_tokens=64, max_requests=1, max_pages=8))
+  sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+  llm.generate(["Tell me about the sea."], sp)  # compile
+  out = llm.generate(["Tell me about the sea."], sp)[0]
+  n_sets = len(off.layers) if off else 0
+  set_bytes = ffn_set_bytes(m.cfg, 4)
+  return {"every_k": every_k, "sets": n_sets, "buffers": buffers,
+          "step_ms": 1e3 * float(np.median(np.diff(out.token_times))),
+          "bytes_moved_per_step": n_sets * set_bytes,
+          "device_weight_mib": (m.cfg.param_count() * 4 - n_sets * set_bytes
+                                + min(buffers, n_sets) * set_bytes) / 2**20}
+
+
 def main(argv):
   del argv
+  real = []
+  if FLAGS.real:
+    for k in (int(x) for x in FLAGS.real_every):
+      for b in ((1,) if k == 0 else (1, 2)):
+        real.append(measure_real(k, b))
+    print("SmolLM2 f32 on this machine (host copies are memcpys here):")
+    print(f"{'every k':>7} {'sets':>4} {'buf':>3} {'step ms':>8} {'MB moved/step':>13} "
+          f"{'device weights MiB':>18}")
+    for r in real:
+      print(f"{r['every_k']:>7} {r['sets']:>4} {r['buffers']:>3} {r['step_ms']:>8.1f} "
+            f"{r['bytes_moved_per_step'] / 1e6:>13.1f} {r['device_weight_mib']:>18.0f}")
   rows = []
   for hw in FLAGS.hardware:
     for n in (int(s) for s in FLAGS.sets):
@@ -62,7 +98,7 @@ def main(argv):
           continue
         rows.append(simulate(FLAGS.model, hw, n, b, FLAGS.input_tokens, FLAGS.output_tokens))
   if FLAGS.json:
-    print(json.dumps(rows, indent=1))
+    print(json.dumps({"simulated": rows, "real": real}, indent=1))
   else:
     print(f"{'hardware':>13} {'sets':>4} {'buf':>3} {'round ms':>9} {'copy ms':>8} "
           f"{'request s':>9} {'<=7s':>5} {'net MiB':>8} {'+req@end':>8}")
@@ -74,7 +110,7 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "offload.json"), "w") as f:
-      json.dump(rows, f, indent=1)
+      json.dump({"simulated": rows, "real": real}, f, indent=1)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

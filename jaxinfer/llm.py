@@ -69,10 +69,11 @@ class LLM:
                buckets: Optional[BucketTable] = None, scan_layers: bool = True,
                scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
                speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
-               early_exit_layers: Optional[int] = None, draft_model=None):
+               early_exit_layers: Optional[int] = None, draft_model=None, offload=None):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
-    draft_model: for speculative="draft_model", a name, path or LoadedModel."""
+    draft_model: for speculative="draft_model", a name, path or LoadedModel;
+    offload: an OffloadConfig (weights streamed from host memory, 8.4.3)."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
@@ -84,7 +85,8 @@ class LLM:
     self.buckets = buckets or BucketTable.default(
         max_tokens=256, max_requests=64, max_pages=-(-self.max_model_len // page_size))
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
-                                page_size=page_size, kv_format=kv_format, backend=attention)
+                                page_size=page_size, kv_format=kv_format, backend=attention,
+                                offload=offload)
     sched = scheduler or SchedulerConfig(
         policy="chunked", max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,

@@ -66,3 +66,20 @@ def test_pallas_backend_greedy_equals_reference(smollm2):
     llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, attention=backend)
     outs[backend] = llm.generate(["The capital of France is"], sp)[0].token_ids
   assert outs["pallas"] == outs["reference"]
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_weight_offload_equals_plain(smollm2, buffers):
+  """8.4.3: every 3rd layer's FFN streamed from host memory, 1 or 2 prefetch buffers:
+  the same greedy tokens, and the copies are counted every step."""
+  from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
+  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_sizes=(8,))
+  sp = SamplingParams(max_tokens=5, ignore_eos=True)
+  plain = LLM.from_loaded(smollm2, num_pages=64, buckets=table).generate(PROMPTS[:2], sp)
+  off = OffloadConfig.every_kth(smollm2.cfg.num_layers, 3, buffers)
+  llm = LLM.from_loaded(smollm2, num_pages=64, buckets=table, offload=off)
+  outs = llm.generate(PROMPTS[:2], sp)
+  assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+  st = llm.executor.streamer
+  steps = len(llm.engine.steps)
+  assert st.bytes_moved == steps * len(off.layers) * ffn_set_bytes(smollm2.cfg, 4)

@@ -25,6 +25,9 @@ class EarlyExitDrafter:
 
   def bind(self, engine) -> None:
     cfg = engine.executor.cfg
+    if engine.executor.params is None:
+      raise ValueError("the early-exit drafter needs the target's weights on the device "
+                       "(not available with weight offload)")
     if not 0 < self.num_layers < cfg.num_layers:
       raise ValueError(f"early-exit layers must be in [1, {cfg.num_layers - 1}], "
                        f"got {self.num_layers}")

@@ -23,7 +23,9 @@ class JaxExecutor:
   virtual_clock = False
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-               kv_format: str = "f32", backend: str = "reference"):
+               kv_format: str = "f32", backend: str = "reference", offload=None):
+    """offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
+    streamed in each step (executors/offload.py)."""
     self.cfg = cfg
     self.params = params
     self.num_pages = num_pages
@@ -33,6 +35,12 @@ class JaxExecutor:
     enable_compilation_cache()
     self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
+    self.streamer = None
+    if offload is not None and offload.layers:
+      from jaxinfer.executors.offload import LayerStreamer
+      bpp = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
+      self.streamer = LayerStreamer(cfg, params, offload, bpp)
+      self.params = None  # the device keeps only the streamer's resident weights
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:
     """Copy-on-write page copies, done before the step that writes the copies."""
@@ -46,6 +54,10 @@ class JaxExecutor:
   def launch(self, step: StepInput, plan=None):
     """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
     t0 = time.perf_counter()
+    if self.streamer is not None:
+      out, self.pool = self.streamer.run(self.pool, step.arrays, step.bucket.attn_shape,
+                                         self.backend)
+      return out, t0
     out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
                                 attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=False)
@@ -71,6 +83,10 @@ class JaxExecutor:
 
   def run(self, step: StepInput, return_logits: bool = False):
     """Returns packed [S, 3] float32 numpy (token id, logprob, accepted) rows (and logits)."""
+    if self.streamer is not None:
+      if return_logits:
+        raise ValueError("return_logits is not available with weight offload")
+      return self.collect(self.launch(step)).packed
     out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
                                 attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=return_logits)
@@ -82,6 +98,12 @@ class JaxExecutor:
   def warmup(self, buckets: Sequence[Bucket]) -> float:
     """Compile every given bucket ahead of time; returns seconds spent."""
     t0 = time.perf_counter()
+    if self.streamer is not None:
+      for b in buckets:
+        _, self.pool = self.streamer.run(self.pool, dummy_inputs(b, self.num_pages),
+                                         b.attn_shape, self.backend)
+      jax.block_until_ready(self.pool)
+      return time.perf_counter() - t0
     for b in buckets:
       arrays = dummy_inputs(b, self.num_pages)
       _, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
