@@ -3,7 +3,7 @@ that frees on the device, what it admits, and what it costs per step."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.costmodel import formulas as F
