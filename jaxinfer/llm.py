@@ -73,7 +73,9 @@ class LLM:
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
-    offload: an OffloadConfig (weights streamed from host memory, 8.4.3)."""
+    offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
+    it saves net of the prefetch buffers is given to the KV pool, so admission (which
+    reserves pages) admits more requests."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
@@ -84,6 +86,15 @@ class LLM:
     self.max_model_len = min(max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(
         max_tokens=256, max_requests=64, max_pages=-(-self.max_model_len // page_size))
+    if offload is not None and offload.layers:
+      from jaxinfer.costmodel.offload import ffn_set_bytes
+      from jaxinfer.kv import bytes_per_token
+      bpp = 2 if dtype == "bfloat16" else 4
+      saved = (len(offload.layers) - min(offload.prefetch_buffers, len(offload.layers))) * \
+          ffn_set_bytes(self.cfg, bpp)
+      extra = int(saved // (bytes_per_token(self.cfg, kv_format, page_size) * page_size))
+      log.info("weight offload frees %.1f MiB net: %d more KV pages", saved / 2**20, extra)
+      num_pages += extra
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=attention,
                                 offload=offload)

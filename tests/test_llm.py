@@ -82,4 +82,9 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
   st = llm.executor.streamer
   steps = len(llm.engine.steps)
-  assert st.bytes_moved == steps * len(off.layers) * ffn_set_bytes(smollm2.cfg, 4)
+  set_bytes = ffn_set_bytes(smollm2.cfg, 4)
+  assert st.bytes_moved == steps * len(off.layers) * set_bytes
+  mem = llm.engine.metrics()["memory"]
+  assert mem["net_bytes"] == (len(off.layers) - buffers) * set_bytes
+  # The saving went to the KV pool: more pages than the plain engine's 64.
+  assert llm.executor.num_pages == 64 + mem["net_bytes"] // (46080 * 16)

@@ -51,6 +51,21 @@ class JaxExecutor:
     dst = np.array([c[1] for c in copies] + [copies[0][1]] * (n - len(copies)), np.int32)
     self.pool = copy_pages_jit(self.pool, src, dst)
 
+  def memory_report(self) -> dict:
+    """Device bytes of weights and KV pool; with offload, what it freed and keeps (8.4.3)."""
+    from jaxinfer.kv import pool_bytes
+    rep = {"kv_pool_bytes": pool_bytes(self.cfg, self.kv_format, self.num_pages, self.page_size)}
+    if self.streamer is None:
+      rep["weight_bytes"] = sum(a.nbytes for a in jax.tree_util.tree_leaves(self.params))
+      return rep
+    st = self.streamer
+    n, b = len(st.host), min(st.off.prefetch_buffers, len(st.host))
+    resident = sum(a.nbytes for a in jax.tree_util.tree_leaves([st.top, st.layers]))
+    rep.update(weight_bytes=resident + b * st.set_bytes, offloaded_sets=n,
+               freed_bytes=n * st.set_bytes, buffer_bytes=b * st.set_bytes,
+               net_bytes=(n - b) * st.set_bytes, bytes_moved=st.bytes_moved)
+    return rep
+
   def launch(self, step: StepInput, plan=None):
     """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
     t0 = time.perf_counter()

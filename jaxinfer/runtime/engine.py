@@ -280,7 +280,10 @@ class Engine:
     return list(self.requests.values())
 
   def metrics(self, correct=None) -> Dict:
-    return summarize(list(self.requests.values()), self.steps, correct)
+    m = summarize(list(self.requests.values()), self.steps, correct)
+    if hasattr(self.executor, "memory_report"):
+      m["memory"] = self.executor.memory_report()
+    return m
 
   # --- speculative decoding (8.5) -------------------------------------------------------------
   def _round_time(self, batch: int) -> Callable[[int], float]:
