@@ -76,6 +76,10 @@ class BucketTable:
       raise BucketError(f"{what}={n} exceeds the largest bucket {sizes[-1]}")
     return sizes[i]
 
+  def pad_tokens(self, n: int) -> int:
+    """The token bucket a step of n tokens runs at (BucketError past the largest)."""
+    return self._pick(self.token_sizes, n, "tokens per step")
+
   @property
   def max_tokens(self) -> int:
     return self.token_sizes[-1]

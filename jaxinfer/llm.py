@@ -140,7 +140,7 @@ class LLM:
       raise ValueError(f"{len(sps)} SamplingParams for {len(prompts)} prompts")
     encoded = [self.encode_prompt(p, chat) for p in prompts]
     for ids, sp in zip(encoded, sps):  # validate everything before queueing anything
-      self.engine._check(len(ids), sp)
+      self.engine.check_request(len(ids), sp)
     reqs = [self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None)
             for p, ids, sp in zip(prompts, encoded, sps)]
     while any(not r.state.done for r in reqs):

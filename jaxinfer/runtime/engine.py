@@ -135,7 +135,7 @@ class Engine:
     """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run."""
     sampling = sampling or SamplingParams()
     ids = [int(t) for t in prompt_token_ids]
-    self._check(len(ids), sampling)
+    self.check_request(len(ids), sampling)
     if request_id is None:
       request_id = self._next_id
       self._next_id += 1
@@ -149,7 +149,8 @@ class Engine:
     self.scheduler.add(r)
     return r
 
-  def _check(self, n_prompt: int, sp: SamplingParams) -> None:
+  def check_request(self, n_prompt: int, sp: SamplingParams) -> None:
+    """Raise RequestTooLargeError if such a request could never run."""
     if n_prompt < 1:
       raise RequestTooLargeError("empty prompt: at least one token is needed")
     total = n_prompt + sp.max_tokens
@@ -294,7 +295,7 @@ class Engine:
     def t(m: int) -> float:
       n = batch + m
       try:
-        padded = self.buckets._pick(self.buckets.token_sizes, n, "tokens")
+        padded = self.buckets.pad_tokens(n)
       except ValueError:
         return float("inf")
       if model is not None:
