@@ -32,3 +32,23 @@ def test_speculative_small(tmp_path):
   assert "tok/round" in out
   d = json.loads((tmp_path / "speculative.json").read_text())
   assert {r["drafter"] for r in d["real"]} == {"none", "ngram", "early_exit"}
+
+
+def test_batch_sweep_simulation_matches_chapter():
+  """Simulated 8-1 sweep (Qwen3-8B, RTX PRO 6000, roofline, chunked prefill) against the
+  chapter's measured batch-1 and batch-64 points."""
+  from experiments import batch_sweep
+  rows = {r["batch"]: r for r in batch_sweep.sim_sweep([1, 64])}
+  for b, (tok_s, ttft, itl_ms) in batch_sweep.CHAPTER.items():
+    assert rows[b]["throughput_tok_s"] == pytest.approx(tok_s, rel=0.1)
+    assert rows[b]["ttft_s"] == pytest.approx(ttft, rel=0.1)
+    assert rows[b]["mean_itl_ms"] == pytest.approx(itl_ms, rel=0.1)
+
+
+@pytest.mark.slow
+def test_batch_sweep_small(tmp_path):
+  out = _run("experiments.batch_sweep", "--small", f"--output_dir={tmp_path}")
+  assert "MBU" in out
+  d = json.loads((tmp_path / "batch_sweep.json").read_text())
+  assert [r["batch"] for r in d["real"]] == [1, 4]
+  assert all(0 < r["mbu"] < 1.5 for r in d["real"])

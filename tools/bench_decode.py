@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 import numpy as np
@@ -44,29 +43,15 @@ def bench_jax(llm, B, L, N):
 
 
 def bench_hf(path, B, L, N, vocab):
-  import torch
-  from transformers import AutoModelForCausalLM
-  d, f = os.path.split(path)
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32).eval()
-  ids = torch.tensor(_prompts(vocab, B, L))
-  attn = torch.ones_like(ids)
-
-  def run(n):
-    t = time.perf_counter()
-    with torch.no_grad():
-      model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n,
-                     do_sample=False, pad_token_id=0)
-    return time.perf_counter() - t
-
-  run(2)  # warm-up
-  t1, tn = run(1), run(N)
-  return {"decode_tok_s": B * (N - 1) / (tn - t1), "step_ms": 1e3 * (tn - t1) / (N - 1),
-          "ttft_s": t1}
+  from experiments.peers import hf_generate
+  return hf_generate(path, _prompts(vocab, B, L), N)
 
 
 def main(argv):
   del argv
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  here = os.path.dirname(os.path.abspath(__file__))
+  sys.path.insert(0, here)
+  sys.path.insert(0, os.path.dirname(here))
   from measure_hardware import measure_read_bandwidth
   from jaxinfer.buckets import BucketTable
   from jaxinfer.kv import bytes_per_token
@@ -95,9 +80,10 @@ def main(argv):
     r = {"batch": B, "floor_step_ms": floor_ms, "floor_tok_s": B / floor_ms * 1e3}
     r["jax"] = bench_jax(llm, B, L, N)
     r["jax_step_over_floor"] = r["jax"]["step_ms"] / floor_ms
-    if has_hf:
-      r["hf"] = bench_hf(llm.model.source, B, L, N, cfg.vocab_size)
-      r["jax_over_hf_tok_s"] = r["jax"]["decode_tok_s"] / r["hf"]["decode_tok_s"]
+    hf = bench_hf(llm.model.source, B, L, N, cfg.vocab_size) if has_hf else None
+    if hf:
+      r["hf"] = hf
+      r["jax_over_hf_tok_s"] = r["jax"]["decode_tok_s"] / hf["decode_tok_s"]
     rows.append(r)
     print(f"batch {B}: done", file=sys.stderr)
   print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {w_bytes / 1e6:.0f} MB (f32); "
