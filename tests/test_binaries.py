@@ -52,3 +52,32 @@ def test_batch_sweep_small(tmp_path):
   d = json.loads((tmp_path / "batch_sweep.json").read_text())
   assert [r["batch"] for r in d["real"]] == [1, 4]
   assert all(0 < r["mbu"] < 1.5 for r in d["real"])
+
+
+def test_prefix_reuse_strategies_and_tiers():
+  """8.3.3-8.3.4 on the simulator: appending keeps the prefix, rewriting the head loses
+  all reuse, a small pool loses part of it to interfering requests, and a host tier
+  serves the evicted pages instead of recomputing them."""
+  from experiments import prefix_reuse as pr
+  shape = pr.SessionShape()
+
+  def run(gib, strat, host=0):
+    eng = pr.sim_engine(gib, host)
+    return pr.summarize_run(eng, pr.run_session(eng, shape, strat, rounds=6))
+
+  big, head = run(6, "append"), run(6, "rewrite_head")
+  small, tiered = run(1, "append"), run(1, "append", host=2000)
+  assert big["session_cached_tokens"] > 0.7 * big["session_prompt_tokens"]
+  assert head["session_cached_tokens"] == 0 and head["mean_ttft_s"] > big["mean_ttft_s"]
+  assert small["session_cached_tokens"] < big["session_cached_tokens"]
+  assert tiered["host_hit_tokens"] > 0
+  assert tiered["session_cached_tokens"] == big["session_cached_tokens"]
+
+
+@pytest.mark.slow
+def test_prefix_reuse_real_small(tmp_path):
+  out = _run("experiments.prefix_reuse", "--executor=jax", "--small",
+             f"--output_dir={tmp_path}")
+  d = json.loads((tmp_path / "prefix_reuse_jax.json").read_text())
+  append = [r for r in d if r["strategy"] == "append"][0]
+  assert append["session_cached_tokens"] > 0 and "mean TTFT" in out
