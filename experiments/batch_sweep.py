@@ -20,14 +20,6 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
-flags.DEFINE_integer("prompt_len", 128, "prompt tokens (real model)")
-flags.DEFINE_integer("output_tokens", 32, "output tokens per request (real model)")
-flags.DEFINE_bool("peers", True, "run the peers (HF, llama.cpp) where installed")
-flags.DEFINE_bool("small", False, "CI size: batches 1 and 4, 8 tokens, no peers")
-flags.DEFINE_string("output_dir", "", "write batch_sweep.json here")
-flags.DEFINE_integer("sim_token_budget", 8192, "simulation: tokens per iteration")
-
 # SPEC 8-1 sweep (2K in, 256 out, all sent at once): batch -> (tok/s, TTFT s, mean ITL ms)
 CHAPTER = {1: (37, 0.096, 27), 64: (1165, 3.29, 40)}
 
@@ -108,6 +100,18 @@ def sim_sweep(batches, L=2048, G=256, token_budget=8192):
   return rows
 
 
+def define_flags():
+  """Flags are defined only when run as a binary, so tests can import the module's
+  functions next to other binaries' (absl refuses duplicate flag names)."""
+  flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
+  flags.DEFINE_integer("prompt_len", 128, "prompt tokens (real model)")
+  flags.DEFINE_integer("output_tokens", 32, "output tokens per request (real model)")
+  flags.DEFINE_bool("peers", True, "run the peers (HF, llama.cpp) where installed")
+  flags.DEFINE_bool("small", False, "CI size: batches 1 and 4, 8 tokens, no peers")
+  flags.DEFINE_string("output_dir", "", "write batch_sweep.json here")
+  flags.DEFINE_integer("sim_token_budget", 8192, "simulation: tokens per iteration")
+
+
 def main(argv):
   del argv
   batches = [1, 4] if FLAGS.small else [int(b) for b in FLAGS.batches]
@@ -139,4 +143,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

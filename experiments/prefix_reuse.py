@@ -24,14 +24,6 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("executor", "sim", ["sim", "jax"], "simulated clock or the real model")
-flags.DEFINE_list("pool_gib", ["6", "1"], "sim: KV pool sizes (GiB)")
-flags.DEFINE_list("strategies", ["append", "rewrite_head", "summarize"], "context updates")
-flags.DEFINE_integer("rounds", 12, "agent rounds")
-flags.DEFINE_integer("host_pages", 0, "host-tier pages for evicted prefixes")
-flags.DEFINE_bool("small", False, "CI size")
-flags.DEFINE_string("output_dir", "", "write prefix_reuse.json here")
-
 
 @dataclasses.dataclass
 class SessionShape:
@@ -115,6 +107,18 @@ def summarize_run(engine, records):
           "rounds": records}
 
 
+def define_flags():
+  """Flags are defined only when run as a binary, so tests can import the module's
+  functions next to other binaries' (absl refuses duplicate flag names)."""
+  flags.DEFINE_enum("executor", "sim", ["sim", "jax"], "simulated clock or the real model")
+  flags.DEFINE_list("pool_gib", ["6", "1"], "sim: KV pool sizes (GiB)")
+  flags.DEFINE_list("strategies", ["append", "rewrite_head", "summarize"], "context updates")
+  flags.DEFINE_integer("rounds", 12, "agent rounds")
+  flags.DEFINE_integer("host_pages", 0, "host-tier pages for evicted prefixes")
+  flags.DEFINE_bool("small", False, "CI size")
+  flags.DEFINE_string("output_dir", "", "write prefix_reuse.json here")
+
+
 def main(argv):
   del argv
   rounds = 3 if FLAGS.small else FLAGS.rounds
@@ -152,4 +156,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
