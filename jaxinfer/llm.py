@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Union
 
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
-from jaxinfer.runtime.engine import Engine, RequestTooLargeError, make_stop_check  # noqa: F401
+from jaxinfer.runtime.engine import Engine, RequestTooLargeError  # noqa: F401 (re-export)
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import SchedulerConfig
 

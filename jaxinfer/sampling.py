@@ -40,8 +40,8 @@ def row_keys(seed, counter):
   return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, counter)
 
 
-def sample(logits, temperature, top_k, top_p, seed, counter):
-  """logits [S, V] f32 -> (token ids [S] int32, logprob of each under the model [S] f32)."""
+def _sample_ids(logits, temperature, top_k, top_p, seed, counter):
+  """(sampled ids [S], argmax ids [S]): greedy rows take the argmax."""
   greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def draw(_):
@@ -51,10 +51,17 @@ def sample(logits, temperature, top_k, top_p, seed, counter):
     ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, ids, greedy_ids)
 
-  ids = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None)
-  logprobs = jax.nn.log_softmax(logits, axis=-1)
-  lp = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
-  return ids, lp
+  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None), greedy_ids
+
+
+def _logprob_of(logits, ids):
+  return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)[:, 0]
+
+
+def sample(logits, temperature, top_k, top_p, seed, counter):
+  """logits [S, V] f32 -> (token ids [S] int32, logprob of each under the model [S] f32)."""
+  ids, _ = _sample_ids(logits, temperature, top_k, top_p, seed, counter)
+  return ids, _logprob_of(logits, ids)
 
 
 def rejection_sample(p, q, draft, key):
@@ -85,10 +92,10 @@ def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids):
   p(x) and otherwise resamples from p without x: exact for any temperature / top-k /
   top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
   the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
-  ids, lp = sample(logits, temperature, top_k, top_p, seed, counter)
+  ids, greedy_ids = _sample_ids(logits, temperature, top_k, top_p, seed, counter)
   has = draft_ids >= 0
   d = jnp.where(has, draft_ids, 0)
-  greedy_ok = jnp.argmax(logits, axis=-1).astype(jnp.int32) == d
+  greedy_ok = greedy_ids == d
 
   def lossless(_):
     p = filtered_probs(logits, temperature, top_k, top_p)
@@ -102,6 +109,4 @@ def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids):
   tok_s, acc_s = jax.lax.cond(jnp.any(sampled_draft), lossless, lambda _: (ids, greedy_ok), None)
   accepted = has & jnp.where(temperature > 0, acc_s, greedy_ok)
   token = jnp.where(has & (temperature > 0), tok_s, ids)
-  logprobs = jax.nn.log_softmax(logits, axis=-1)
-  lp = jnp.take_along_axis(logprobs, jnp.where(accepted, d, token)[:, None], axis=-1)[:, 0]
-  return token, lp, accepted
+  return token, _logprob_of(logits, jnp.where(accepted, d, token)), accepted

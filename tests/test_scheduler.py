@@ -141,3 +141,19 @@ def test_littles_law_and_goodput_fields():
   assert m["littles_law"]["mean_in_system"] == pytest.approx(m["littles_law"]["lambda_times_T"])
   assert m["num_finished"] == 8 and m["goodput_rps"] == m["completion_rps"]
   assert m["itl_s"]["p50"] <= m["itl_s"]["p99"] <= m["itl_s"]["max"]
+
+
+def test_admission_never_evicts_the_prefix_it_matched():
+  """A request whose cached prefix is the only evictable thing must wait, not evict the
+  pages it is about to share (they are locked from the match on)."""
+  eng = engine("chunked", budget=64, chunk=64, max_running=4, num_pages=12, page_size=4,
+               prefix_cache=True)
+  a = list(range(500, 516))  # 4 full pages once cached
+  eng.add_request(a, SamplingParams(max_tokens=1, ignore_eos=True))
+  eng.run()
+  x = eng.add_request(list(range(900, 908)), SamplingParams(max_tokens=20, ignore_eos=True))
+  r2 = eng.add_request(a + list(range(600, 608)), SamplingParams(max_tokens=1, ignore_eos=True))
+  eng.run()
+  assert r2.state == State.FINISHED and r2.cached_tokens == 16
+  assert r2.first_admitted_at >= x.finished_at  # it waited for memory instead
+  eng.pm.check_invariants(eng.cache.owned_refs())

@@ -166,7 +166,7 @@ class Scheduler:
 
     # 2. Admissions.
     if cfg.policy == "fixed" and self.running:
-      return plan  # a fixed group runs to completion before the next is admitted
+      return self._with_offloads(plan)  # a fixed group runs to completion first
     for r in list(self.waiting):
       if r.arrival_time > now:
         continue
@@ -189,6 +189,14 @@ class Scheduler:
         continue
       plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
       budget -= n
+    return self._with_offloads(plan)
+
+  def _with_offloads(self, plan: StepPlan) -> StepPlan:
+    """Pages evicted to the host tier this iteration must be copied out before any step
+    reuses them: the executor runs plan.offloads first."""
+    if self.cache is not None and self.cache.pending_offloads:
+      plan.offloads.extend(self.cache.pending_offloads)
+      self.cache.pending_offloads.clear()
     return plan
 
   def _chunk(self, r: Request, budget: int, chunked: bool, first: bool) -> int:
@@ -216,6 +224,13 @@ class Scheduler:
       m = self.cache.match(cfg.cache_key, r.all_token_ids, max_tokens=r.num_tokens - 1)
       nodes = m.nodes[:m.restore_tokens // pm.page_size]
       hit = len(nodes) * pm.page_size
+      self.cache.lock(nodes)  # the eviction below must not take the pages we match
+
+    def give_up():
+      if nodes:
+        self.cache.unlock(nodes)
+      return False
+
     reserve = r.kv_tokens_at_end if cfg.reserve == "end" else 0
     host = [n for n in nodes if not n.on_device]
     while True:
@@ -223,29 +238,21 @@ class Scheduler:
       if need <= pm.num_available:
         break
       if self.cache is None or self.cache.evict(need - pm.num_available) == 0:
-        return False
+        return give_up()
     if host:
-      self.cache.lock(nodes)
       fetched = self.cache.fetch(host)
       if fetched is None:
-        self.cache.unlock(nodes)
-        return False
+        return give_up()
       plan.fetches.extend(fetched)
-      self.cache.unlock(nodes)
     for i, hook in enumerate(self.reservers):  # e.g. a draft model's own KV (8.5.4)
       if not hook.reserve(r):
         for h in self.reservers[:i]:
           h.release(r)
-        return False
-    ok = pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve)
-    if not ok:
+        return give_up()
+    if not pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve):
       for h in self.reservers:
         h.release(r)
-      return False
-    if self.cache is not None:
-      self.cache.lock(nodes)
-      plan.offloads.extend(self.cache.pending_offloads)
-      self.cache.pending_offloads.clear()
+      return give_up()
     r.prefix_nodes = nodes
     r.num_computed = hit
     if not r.output_token_ids:
@@ -269,8 +276,6 @@ class Scheduler:
         return True
       short = max(1, self.pm.pages_for(r.num_computed + n) - len(self.pm.page_table(r.request_id)))
       if self.cache is not None and self.cache.evict(short) > 0:
-        plan.offloads.extend(self.cache.pending_offloads)
-        self.cache.pending_offloads.clear()
         continue
       victim = self._victim(plan)
       if victim is None:
