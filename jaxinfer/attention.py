@@ -5,23 +5,39 @@ on CPU, compiled on GPU). Both take the same arguments.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Union
+
+from pallas_kernels import kv_codec
 from pallas_kernels.paged_attention import reference
 
 BACKENDS = ("reference", "pallas")
 
 
-def check_backend(name: str) -> str:
-  if name not in BACKENDS:
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-  if name == "pallas":
+class AttentionSpec(NamedTuple):
+  """What the model's attention runs: the backend and Q's precision against a quantized
+  KV pool (8.4.4: "native" keeps Q in the compute dtype; "kv" rounds Q through the KV
+  format's compute path). Hashable, so it is a static argument of the jitted step."""
+  backend: str = "reference"
+  q_precision: str = "native"
+
+
+def check_backend(name: Union[str, AttentionSpec],
+                  q_precision: str = "native") -> AttentionSpec:
+  spec = name if isinstance(name, AttentionSpec) else AttentionSpec(name, q_precision)
+  if spec.backend not in BACKENDS:
+    raise ValueError(f"unknown attention backend {spec.backend!r}; choose one of {BACKENDS}")
+  if spec.q_precision not in kv_codec.Q_PRECISIONS:
+    raise ValueError(f"unknown Q precision {spec.q_precision!r}; choose one of "
+                     f"{kv_codec.Q_PRECISIONS}")
+  if spec.backend == "pallas":
     import importlib.util
     if importlib.util.find_spec("pallas_kernels.paged_attention.kernel") is None:
       raise ValueError("the pallas attention backend is not built yet; use 'reference'")
-  return name
+  return spec
 
 
 def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
-                    backend: str = "reference"):
+                    backend: Union[str, AttentionSpec] = "reference"):
   """q [T, N, H], k_new/v_new [T, K, H] -> [T, N, H] float32.
 
   batch: the step's metadata (page_table [R, Pmax], query_start / query_len /
@@ -30,13 +46,16 @@ def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
   at most one (decode). Rp = 0: a decode-only step.
   """
   max_query_len, prefill_slots = attn_shape
+  spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
   args = (q, k_new, v_new, pool, layer, batch["page_table"], batch["query_start"],
           batch["query_len"], batch["cached_len"])
-  if backend == "reference":
+  if spec.backend == "reference":
     return reference.ragged_paged_attention(*args, max_query_len=max_query_len,
-                                            num_prefill_slots=prefill_slots)
-  if backend == "pallas":
+                                            num_prefill_slots=prefill_slots,
+                                            q_precision=spec.q_precision)
+  if spec.backend == "pallas":
     from pallas_kernels.paged_attention import kernel  # imported lazily: heavier
     return kernel.ragged_paged_attention(*args, max_query_len=max_query_len,
-                                         num_prefill_slots=prefill_slots)
-  raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+                                         num_prefill_slots=prefill_slots,
+                                         q_precision=spec.q_precision)
+  raise ValueError(f"unknown attention backend {spec.backend!r}; choose one of {BACKENDS}")

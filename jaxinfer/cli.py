@@ -23,6 +23,8 @@ flags.DEFINE_integer("seed", 0, "per-request seed (prompt i uses seed + i)")
 flags.DEFINE_multi_string("stop", [], "stop string; repeatable")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_string("kv_format", "f32", "KV cache format: f32, bf16, fp8, q8_0, q4_0")
+flags.DEFINE_enum("q_precision", "native", ["native", "kv"],
+                  "Q against a quantized KV pool: compute dtype, or rounded like the KV (8.4.4)")
 flags.DEFINE_enum("attention", "reference", ["reference", "pallas"], "attention backend")
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 flags.DEFINE_integer("num_pages", 1024, "KV pool size in pages")
@@ -48,7 +50,7 @@ def _generate():
             num_pages=FLAGS.num_pages, attention=FLAGS.attention, speculative=FLAGS.speculative,
             num_draft=FLAGS.num_draft, adaptive_draft=FLAGS.adaptive_draft,
             early_exit_layers=FLAGS.early_exit_layers or None,
-            draft_model=FLAGS.draft_model or None)
+            draft_model=FLAGS.draft_model or None, q_precision=FLAGS.q_precision)
   t_load = time.perf_counter() - t0
   sps = [SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                         seed=FLAGS.seed + i, max_tokens=FLAGS.max_tokens, stop=tuple(FLAGS.stop))

@@ -69,10 +69,13 @@ class LLM:
                buckets: Optional[BucketTable] = None, scan_layers: bool = True,
                scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
                speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
-               early_exit_layers: Optional[int] = None, draft_model=None, offload=None):
+               early_exit_layers: Optional[int] = None, draft_model=None, offload=None,
+               q_precision: str = "native"):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
+    q_precision: "native" (Q in the compute dtype) or "kv" (Q rounded through the KV
+    format's compute path), 8.4.4's storage-vs-compute split;
     offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
     it saves net of the prefetch buffers is given to the KV pool, so admission (which
     reserves pages) admits more requests."""
@@ -97,7 +100,7 @@ class LLM:
       num_pages += extra
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=attention,
-                                offload=offload)
+                                offload=offload, q_precision=q_precision)
     sched = scheduler or SchedulerConfig(
         policy="chunked", max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,

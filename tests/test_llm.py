@@ -88,3 +88,20 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   assert mem["net_bytes"] == (len(off.layers) - buffers) * set_bytes
   # The saving went to the KV pool: more pages than the plain engine's 64.
   assert llm.executor.num_pages == 64 + mem["net_bytes"] // (46080 * 16)
+
+
+def test_q_precision_reaches_attention(smollm2):
+  """8.4.4's storage-vs-compute split is plumbed to the attention: rounding Q through
+  q4_0 changes the logprobs against the same q4_0 pool; against an f32 pool it is a
+  no-op; an unknown precision is a clear error."""
+  table = BucketTable(token_sizes=(16,), request_sizes=(1,), page_sizes=(4,))
+  sp = SamplingParams(max_tokens=3, ignore_eos=True)
+  lps = {}
+  for fmt in ("f32", "q4_0"):
+    for qp in ("native", "kv"):
+      llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, kv_format=fmt, q_precision=qp)
+      lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
+  assert lps["f32", "native"] == lps["f32", "kv"]
+  assert lps["q4_0", "native"] != lps["q4_0", "kv"]
+  with pytest.raises(ValueError, match="unknown Q precision 'fp4'"):
+    LLM.from_loaded(smollm2, num_pages=8, buckets=table, q_precision="fp4")

@@ -23,15 +23,17 @@ class JaxExecutor:
   virtual_clock = False
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-               kv_format: str = "f32", backend: str = "reference", offload=None):
-    """offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
+               kv_format: str = "f32", backend: str = "reference", offload=None,
+               q_precision: str = "native"):
+    """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
+    offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py)."""
     self.cfg = cfg
     self.params = params
     self.num_pages = num_pages
     self.page_size = page_size
     self.kv_format = kv_format
-    self.backend = attention.check_backend(backend)
+    self.backend = attention.check_backend(backend, q_precision)
     enable_compilation_cache()
     self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
