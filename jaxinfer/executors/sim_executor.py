@@ -40,6 +40,23 @@ class AffineStepModel:
     pairs = sum(causal_pairs(c, h) for c, h in seqs)
     return self.fixed_s + self.per_token_s * tokens + self.per_pair_s * pairs
 
+  @classmethod
+  def fit(cls, steps) -> "AffineStepModel":
+    """Least-squares fixed + per-token times from measured steps (the engine's
+    StepRecords: duration, num_prefill_tokens + num_decode_tokens); the pair term is
+    left at 0 (short contexts). Both coefficients are kept non-negative."""
+    n = np.array([s.num_prefill_tokens + s.num_decode_tokens for s in steps], np.float64)
+    t = np.array([s.duration for s in steps], np.float64)
+    if len(steps) < 2 or np.ptp(n) == 0:
+      raise ValueError(f"fitting a step model needs steps of at least two sizes; got "
+                       f"{len(steps)} steps of sizes {sorted(set(n.astype(int).tolist()))}")
+    a, b = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), t, rcond=None)[0]
+    if b < 0:
+      a, b = float(t.mean()), 0.0
+    elif a < 0:
+      a, b = 0.0, float((n @ t) / (n @ n))
+    return cls(fixed_s=float(a), per_token_s=float(b), per_pair_s=0.0)
+
 
 class SimExecutor:
   virtual_clock = True

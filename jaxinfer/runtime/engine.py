@@ -85,9 +85,11 @@ class Engine:
                max_model_len: int = 1 << 30, prefix_cache: bool = False,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
                estimate_time: Optional[Callable[[Request, int], float]] = None,
-               drafter=None, draft_policy=None):
+               drafter=None, draft_policy=None, step_model=None):
     """drafter / draft_policy: speculative decoding (runtime.speculative); drafts are
-    verified in the next target step."""
+    verified in the next target step. step_model: a StepTimeModel (e.g. an
+    AffineStepModel fitted to measured steps) for deadline-aware admission; the simulated
+    executor's own model by default."""
     self.executor = executor
     self.config = config
     self.buckets = buckets
@@ -96,7 +98,8 @@ class Engine:
     self.pm = PageManager(executor.num_pages, executor.page_size)
     self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
                   if prefix_cache else None)
-    if estimate_time is None and hasattr(executor, "model"):
+    self.step_model = step_model if step_model is not None else getattr(executor, "model", None)
+    if estimate_time is None and self.step_model is not None:
       estimate_time = self._estimate_from_step_model
     self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,
                                max_step_requests=buckets.max_requests,
@@ -330,8 +333,13 @@ class Engine:
       r.draft = list(drafts.get(r.request_id, []))[:lengths[r.request_id]]
 
   # --- deadline estimate from the simulator's step model (8.6.1) ---------------------------------
+  def set_step_model(self, model) -> None:
+    """Use `model` (StepTimeModel) for deadline-aware admission from now on."""
+    self.step_model = model
+    self.scheduler.estimate_time = self._estimate_from_step_model
+
   def _estimate_from_step_model(self, r: Request, batch: int) -> float:
-    model = self.executor.model
+    model = self.step_model
     pending = r.num_pending
     t_prefill = model.step_time([(pending, r.num_computed)])
     ctx = r.num_tokens

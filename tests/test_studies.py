@@ -1,0 +1,106 @@
+"""The pieces the study binaries are built from: step-model fitting, deadline-aware
+admission, the load generator, the retrieval tasks and their grading, the variant
+overheads of configuration selection."""
+import numpy as np
+import pytest
+
+from experiments import config_select, goodput, kv_quality
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+from jaxinfer.metrics import StepRecord
+from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.scheduler import SchedulerConfig
+
+
+def _rec(tokens, seconds):
+  return StepRecord(0, 0.0, seconds, 1, tokens, 0, 0, ())
+
+
+def test_affine_fit_recovers_coefficients():
+  steps = [_rec(n, 0.02 + 0.001 * n) for n in (1, 4, 16, 64, 256)]
+  m = AffineStepModel.fit(steps)
+  assert m.fixed_s == pytest.approx(0.02) and m.per_token_s == pytest.approx(0.001)
+  with pytest.raises(ValueError, match="at least two sizes"):
+    AffineStepModel.fit([_rec(4, 0.1), _rec(4, 0.2)])
+
+
+def test_deadline_admission_rejects_what_cannot_finish():
+  """8.6.1 with a step model given to the engine: a request whose predicted finish is
+  past its deadline is rejected at admission (not run late); a feasible one runs; the
+  engine stays healthy."""
+  ex = SimExecutor(AffineStepModel(), num_pages=64, page_size=16)
+  eng = Engine(ex, SchedulerConfig("chunked", 4, 512, 512, deadline_admission=True),
+               buckets=BucketTable.default(512, 4, 16), step_model=AffineStepModel())
+  sp = SamplingParams(max_tokens=20, ignore_eos=True)
+  late = eng.add_request([1] * 100, sp, arrival_time=0.0, deadline_s=0.1)  # ~0.55 s needed
+  ok = eng.add_request([1] * 100, sp, arrival_time=0.0, deadline_s=5.0)
+  eng.run()
+  assert late.state.value == "rejected" and late.reject_reason == "deadline"
+  assert late.output_token_ids == []
+  assert ok.state.value == "finished" and ok.on_time and len(ok.output_token_ids) == 20
+  eng.set_step_model(AffineStepModel(fixed_s=1.0))  # a slower machine: now too late
+  again = eng.add_request([1] * 100, sp, arrival_time=eng.now(), deadline_s=5.0)
+  eng.run()
+  assert again.reject_reason == "deadline"
+
+
+def test_arrival_processes():
+  assert goodput.arrival_times("fixed", 4.0, 5, 0).tolist() == [0, 0.25, 0.5, 0.75, 1.0]
+  p = goodput.arrival_times("poisson", 8.0, 4001, 1)
+  assert p[0] == 0 and np.all(np.diff(p) >= 0)
+  assert np.mean(np.diff(p)) == pytest.approx(1 / 8, rel=0.05)
+  assert not np.array_equal(p[:16], goodput.arrival_times("poisson", 8.0, 16, 2))
+  with pytest.raises(ValueError, match="unknown arrival process 'burst'"):
+    goodput.arrival_times("burst", 1.0, 4, 0)
+  with pytest.raises(ValueError, match="must be > 0"):
+    goodput.arrival_times("fixed", 0.0, 4, 0)
+
+
+class _OneTokenPerWord:
+  def encode(self, text):
+    return text.split()
+
+
+def test_retrieval_tasks_and_grading():
+  t1 = kv_quality.make_tasks(_OneTokenPerWord(), [8, 32], 2, seed=0)
+  t2 = kv_quality.make_tasks(_OneTokenPerWord(), [8, 32], 2, seed=0)
+  assert [t.name for t in t1] == ["n8-r0", "n8-r1", "n32-r0", "n32-r1"]
+  assert [t.prompt for t in t1] == [t.prompt for t in t2]  # fixed task set
+  for t in t1:
+    key = t.prompt.rsplit("\n", 1)[1][:-1]
+    assert f"{key}: {t.answer}\n" in t.prompt and len(t.answer) == 6
+    assert t.prompt.count("\n") == int(t.name[1:].split("-")[0]) + 1
+  assert kv_quality.is_correct(" 123456\nfoo", "123456")
+  assert not kv_quality.is_correct(" 1234567", "123456")  # no partial or extended credit
+  assert not kv_quality.is_correct(" 12345 123456", "123456")  # the first number counts
+  with pytest.raises(ValueError, match="needs 1000 distinct keys"):
+    kv_quality.make_tasks(_OneTokenPerWord(), [1000], 1, seed=0)
+  assert kv_quality.parse_variant("fp8:kv") == ("fp8", "kv")
+  assert kv_quality.parse_variant("q4_0") == ("q4_0", "native")
+  with pytest.raises(ValueError, match="'fp8:bf16'"):
+    kv_quality.parse_variant("fp8:bf16")
+
+
+def test_time_to_correct_adds_failed_attempts():
+  att = [{"task": "a", "concurrency": 1, "run": 0, "correct": False, "service_s": 2.0},
+         {"task": "a", "concurrency": 1, "run": 1, "correct": True, "service_s": 1.0},
+         {"task": "b", "concurrency": 1, "run": 0, "correct": True, "service_s": 0.5},
+         {"task": "b", "concurrency": 1, "run": 1, "correct": False, "service_s": 9.0},
+         {"task": "c", "concurrency": 1, "run": 0, "correct": False, "service_s": 1.0},
+         {"task": "c", "concurrency": 1, "run": 1, "correct": False, "service_s": 1.0}]
+  r = kv_quality.time_to_correct(att)[1]
+  assert r["mean_s"] == pytest.approx((3.0 + 0.5) / 2) and r["unsolved"] == 1
+
+
+def test_variant_overheads_and_acceptance():
+  a = config_select.acceptance_for(3.0, 4)
+  assert sum(a**j for j in range(5)) == pytest.approx(3.0)
+  with pytest.raises(ValueError, match="impossible"):
+    config_select.acceptance_for(6.0, 4)
+  base = AffineStepModel()
+  m = config_select.OverheadModel(base, prefill_overhead=0.1, round_overhead_s=0.001,
+                                  max_draft=4)
+  pre, verify = [(512, 0)], [(5, 100), (1, 50)]
+  assert m.step_time(pre) == pytest.approx(1.1 * base.step_time(pre))
+  assert m.step_time(verify) == pytest.approx(base.step_time(verify) + 0.001)
