@@ -1,0 +1,72 @@
+"""What the study binaries share: the config flag, output files, progress lines."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_path(study: str) -> str:
+  return os.path.join(ROOT, "configs", "studies", f"{study}.py")
+
+
+def load_config(study: str, mode: str = ""):
+  """The study's ml-collections config without flags (tests, notebooks)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(f"config_{study}", config_path(study))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(mode)
+
+
+def define_study_flags(study: str):
+  """--config (this study's file in configs/studies; `path:small` for the CI size; fields
+  overridable as --config.field=value) and --output_dir. Call under __main__ only."""
+  from absl import flags
+  from ml_collections import config_flags
+  cfg = config_flags.DEFINE_config_file("config", config_path(study),
+                                        f"ml-collections config of the {study} study")
+  flags.DEFINE_string("output_dir", f"out/{study}", "write JSON and PNG figures here")
+  return cfg
+
+
+def write_json(output_dir: str, name: str, obj) -> str:
+  os.makedirs(output_dir, exist_ok=True)
+  path = os.path.join(output_dir, name)
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1, default=str)
+  return path
+
+
+class Progress:
+  """One line per unit of work on stderr, with elapsed time and a linear ETA."""
+
+  def __init__(self, total: int, label: str):
+    self.total, self.label, self.done, self.t0 = total, label, 0, time.perf_counter()
+
+  def step(self, what: str = "") -> None:
+    self.done += 1
+    el = time.perf_counter() - self.t0
+    eta = el / self.done * (self.total - self.done)
+    print(f"[{self.label}] {self.done}/{self.total} {what} ({el:.0f}s elapsed, ~{eta:.0f}s "
+          "left)", file=sys.stderr, flush=True)
+
+
+def few_buckets(step_tokens: int, chunk: int, max_running: int, max_len: int,
+                prefill_slots=None):
+  """A few pre-compiled shapes (8.2.4), all compiled (Engine.warmup) before a measured
+  run so that none of its steps pays for a compile: one request-slot size R, one page
+  size, token sizes R, 2R, 4R, ... up to the largest step, prefill slots (default: powers
+  of two up to R)."""
+  from jaxinfer.buckets import BucketTable
+  R = max_running
+  sizes, t = [R], R
+  while t < step_tokens:
+    t = min(2 * t, step_tokens)
+    sizes.append(t)
+  return BucketTable(token_sizes=tuple(sizes), request_sizes=(R,),
+                     page_sizes=(-(-max_len // 16),), query_sizes=(min(chunk, sizes[-1]),),
+                     prefill_slot_sizes=tuple(prefill_slots or ()))
