@@ -1,0 +1,216 @@
+"""Goodput under a request stream (SPEC 8.6.1-8.6.2) on SmolLM2 on this CPU.
+
+  python -m experiments.goodput --output_dir=out/goodput
+  python -m experiments.goodput --config=configs/studies/goodput.py:small  # CI size
+
+An arrival-process load generator (Poisson or fixed rate) sends windows of requests —
+retrieval questions with known answers — to the engine in each admission mode:
+  sequential   one request at a time (FCFS),
+  continuous   continuous batching with chunked prefill,
+  all_at_once  the window's requests are held until its last one has arrived and then
+               run together as one static batch,
+  deadline     continuous, with deadline-aware admission (8.6.1): a request whose
+               predicted finish (step-time model fitted to this machine's warm-up steps)
+               is past its deadline is rejected at once instead of run late.
+Time is counted from each request's *scheduled* arrival, including any time it waited
+outside the engine. Per window: completion throughput (all completions / T_obs) and
+goodput (correct and within the deadline / T_obs), T_obs from the window's first
+scheduled arrival to its last finish.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import numpy as np
+
+from experiments.common import Progress, define_study_flags, few_buckets, write_json
+from experiments.kv_quality import is_correct, make_tasks
+
+MODES = ("sequential", "continuous", "all_at_once", "deadline")
+
+
+def arrival_times(process: str, rate: float, n: int, seed: int) -> np.ndarray:
+  """Scheduled arrival offsets (s) of n requests; the first arrives at 0."""
+  if rate <= 0:
+    raise ValueError(f"arrival rate must be > 0, got {rate}")
+  if process == "fixed":
+    return np.arange(n) / rate
+  if process == "poisson":
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+  raise ValueError(f"unknown arrival process {process!r}: 'poisson' or 'fixed'")
+
+
+def make_llm(loaded, mode: str, c):
+  """An LLM whose few bucket shapes are all compiled before any window runs."""
+  from jaxinfer.llm import LLM
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  if mode not in MODES:
+    raise ValueError(f"unknown admission mode {mode!r}; choose one of {MODES}")
+  n, b = c.window, c.token_budget
+  key = (loaded.cfg.name, "", "f32")
+  max_len = c.prompt_pages * 16
+  if mode == "all_at_once":  # the whole window's prefill in one step, then decodes
+    sched = SchedulerConfig("fixed", n, n * max_len, n * max_len, cache_key=key)
+    buckets = few_buckets(n * max_len, max_len, n, max_len, prefill_slots=(n,))
+  else:
+    sched = SchedulerConfig("continuous" if mode == "sequential" else "chunked",
+                            1 if mode == "sequential" else n, b, b, cache_key=key,
+                            deadline_admission=mode == "deadline")
+    buckets = few_buckets(b, b, n, max_len)
+  llm = LLM.from_loaded(loaded, buckets=buckets, num_pages=n * c.prompt_pages + 8,
+                        scheduler=sched)
+  llm.engine.warmup()
+  return llm
+
+
+def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
+               offsets: np.ndarray, deadline_s: float, max_tokens: int) -> Dict:
+  from jaxinfer.config import SamplingParams
+  sp = SamplingParams(max_tokens=max_tokens, stop=("\n",))
+  t0 = engine.now() + 0.02
+  reqs = []
+  for i, off in enumerate(offsets):
+    sched = t0 + float(off)
+    submit = t0 + float(offsets[-1]) if mode == "all_at_once" else sched
+    r = engine.add_request(prompts[i % len(prompts)], sp, arrival_time=submit,
+                           deadline_s=deadline_s - (submit - sched))
+    reqs.append((r, sched, answers[i % len(answers)]))
+  engine.run()
+  recs = []
+  for r, sched, ans in reqs:
+    done = r.state.value == "finished"
+    lat = (r.finished_at - sched) if done else None
+    recs.append({"request_id": r.request_id, "scheduled_s": sched - t0,
+                 "finished_s": (r.finished_at - t0) if r.finished_at is not None else None,
+                 "state": r.state.value, "reject_reason": r.reject_reason,
+                 "latency_s": lat, "text": r.text,
+                 "correct": done and is_correct(r.text, ans),
+                 "on_time": done and lat <= deadline_s})
+  t_obs = max(x["finished_s"] for x in recs if x["finished_s"] is not None)
+  good = sum(x["correct"] and x["on_time"] for x in recs)
+  done = [x for x in recs if x["state"] == "finished"]
+  lats = [x["latency_s"] for x in done]
+  return {"t_obs_s": t_obs, "completed": len(done), "good": good,
+          "correct": sum(x["correct"] for x in recs),
+          "on_time": sum(x["on_time"] for x in recs),
+          "rejected": sum(x["state"] == "rejected" for x in recs),
+          "completion_rps": len(done) / t_obs, "goodput_rps": good / t_obs,
+          "latency_p50_s": float(np.median(lats)) if lats else None,
+          "latency_max_s": max(lats) if lats else None, "requests": recs}
+
+
+def run_study(c, output_dir: str = "") -> Dict:
+  from jaxinfer.executors.sim_executor import AffineStepModel
+  from jaxinfer.loading import load_model
+  loaded = load_model(c.model)
+  tok = loaded.tokenizer
+  tasks = make_tasks(tok, [c.records], c.questions, c.seed)
+  prompts = [tok.encode(t.prompt) for t in tasks]
+  answers = [t.answer for t in tasks]
+  pages = max(-(-(len(p) + c.max_tokens) // 16) for p in prompts)
+  if pages > c.prompt_pages:
+    raise ValueError(f"a question needs {pages} pages; config prompt_pages={c.prompt_pages}")
+  conds = [(p, r, m) for p in c.processes for r in c.rates for m in c.modes]
+  prog = Progress(len(conds) * c.windows + len(c.modes), "goodput")
+  llms, fitted = {}, None
+  busy = arrival_times("fixed", max(c.rates), c.window, 0)
+  for m in c.modes:
+    llm = llms[m] = make_llm(loaded, m, c)  # compiles every shape
+    # A first window: the first executions of fresh executables are slower (measured
+    # here 2-9x), which would otherwise land in the first measured window.
+    run_window(llm.engine, prompts, answers, m, busy, 1e9, c.max_tokens)
+    if m in ("continuous", "deadline") and fitted is None:
+      n0 = len(llm.engine.steps)  # the deadline model, fitted on a warm window
+      run_window(llm.engine, prompts, answers, "continuous", busy, 1e9, c.max_tokens)
+      fitted = AffineStepModel.fit(llm.engine.steps[n0:])
+    if m == "deadline":
+      llm.engine.set_step_model(fitted)
+    prog.step(f"warm-up {m}")
+  windows = []
+  for p, rate, m in conds:
+    for w in range(c.windows):
+      offs = arrival_times(p, rate, c.window, seed=c.seed * 100 + w)
+      res = run_window(llms[m].engine, prompts, answers, m, offs, c.deadline_s, c.max_tokens)
+      res.update(process=p, rate=rate, mode=m, window=w)
+      windows.append(res)
+      prog.step(f"{p} {rate}/s {m} window {w}: {res['good']}/{c.window} good, "
+                f"{res['completed']} done in {res['t_obs_s']:.1f}s")
+  summary = []
+  for p, rate, m in conds:
+    ws = [x for x in windows if (x["process"], x["rate"], x["mode"]) == (p, rate, m)]
+    row = {"process": p, "rate": rate, "mode": m}
+    for k in ("completion_rps", "goodput_rps", "good", "completed", "correct", "on_time",
+              "rejected", "t_obs_s"):
+      row[k] = float(np.mean([x[k] for x in ws]))
+    row["completion_rps_std"] = float(np.std([x["completion_rps"] for x in ws]))
+    row["goodput_rps_std"] = float(np.std([x["goodput_rps"] for x in ws]))
+    lat = [x["latency_p50_s"] for x in ws if x["latency_p50_s"] is not None]
+    row["latency_p50_s"] = float(np.mean(lat)) if lat else None
+    summary.append(row)
+  res = {"config": c.to_dict(), "step_model": None if fitted is None else
+         {"fixed_ms": 1e3 * fitted.fixed_s, "per_token_ms": 1e3 * fitted.per_token_s},
+         "summary": summary, "windows": windows}
+  if output_dir:
+    write_json(output_dir, "goodput.json", res)
+    plot(summary, c, os.path.join(output_dir, "goodput.png"))
+  return res
+
+
+def plot(summary: List[Dict], c, path: str) -> None:
+  """Completion throughput and goodput vs arrival rate per mode (figures 8-33 / 8-34)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  procs = list(dict.fromkeys(s["process"] for s in summary))
+  fig, axes = plt.subplots(len(procs), 2, figsize=(10, 3.6 * len(procs)), squeeze=False)
+  for i, p in enumerate(procs):
+    for j, (k, title) in enumerate([("completion_rps", "completion throughput"),
+                                    ("goodput_rps", "goodput")]):
+      ax = axes[i][j]
+      for m in dict.fromkeys(s["mode"] for s in summary):
+        rows = [s for s in summary if s["process"] == p and s["mode"] == m]
+        ax.errorbar([s["rate"] for s in rows], [s[k] for s in rows],
+                    yerr=[s[k + "_std"] for s in rows], marker="o", capsize=3, label=m)
+      rates = sorted({s["rate"] for s in summary})
+      top = max(s["completion_rps"] + s["completion_rps_std"] for s in summary)
+      ax.plot(rates, rates, color="gray", linestyle=":", label="offered load")
+      ax.set_ylim(0, 1.3 * top)
+      ax.set_xscale("log")
+      ax.set_xticks(rates, [f"{r:g}" for r in rates])
+      ax.minorticks_off()
+      ax.set_xlabel("arrival rate (req/s)")
+      ax.set_ylabel("req/s")
+      ax.set_title(f"{title} ({p} arrivals, deadline {c.deadline_s} s)", fontsize=9)
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def print_table(res: Dict) -> None:
+  print(f"{'process':>8} {'rate':>5} {'mode':>12} {'completion/s':>13} {'goodput/s':>10} "
+        f"{'good':>5} {'correct':>8} {'on time':>8} {'rejected':>9} {'p50 lat s':>10}")
+  for s in res["summary"]:
+    lat = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.2f}"
+    print(f"{s['process']:>8} {s['rate']:>5g} {s['mode']:>12} {s['completion_rps']:>13.2f} "
+          f"{s['goodput_rps']:>10.2f} {s['good']:>5.1f} {s['correct']:>8.1f} "
+          f"{s['on_time']:>8.1f} {s['rejected']:>9.1f} {lat:>10}")
+  if res["step_model"]:
+    sm = res["step_model"]
+    print(f"deadline admission's step model (fitted here): {sm['fixed_ms']:.1f} ms + "
+          f"{sm['per_token_ms']:.3f} ms/token")
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
+  print_table(res)
+
+
+if __name__ == "__main__":
+  from absl import app
+  _CONFIG = define_study_flags("goodput")
+  app.run(main)
