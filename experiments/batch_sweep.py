@@ -1,6 +1,7 @@
 """Batch sweep (SPEC 8-1, 8.6.3): B requests of a fixed prompt length sent at once.
 
-  python -m experiments.batch_sweep --output_dir=out/batch_sweep [--small] [--nopeers]
+  python -m experiments.batch_sweep --output_dir=out/batch_sweep
+  python -m experiments.batch_sweep --config=configs/studies/batch_sweep.py:small  # CI size
 
 Real: SmolLM2 f32 on this CPU — TTFT, mean ITL, total throughput, bytes read per decode
 round, MBU and prefill MFU against the measured local-cpu profile; peers on the same
@@ -10,29 +11,28 @@ installed). Simulated: Qwen3-8B on RTX PRO 6000 (roofline calibrated on 8-1), 2K
 """
 from __future__ import annotations
 
-import json
 import os
 
-from absl import app, flags
 import numpy as np
 
+from experiments.common import Progress, define_study_flags, write_json
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 
-FLAGS = flags.FLAGS
 # SPEC 8-1 sweep (2K in, 256 out, all sent at once): batch -> (tok/s, TTFT s, mean ITL ms)
 CHAPTER = {1: (37, 0.096, 27), 64: (1165, 3.29, 40)}
 
 
-def real_sweep(batches, L, G, peers):
+def real_sweep(batches, L, G, peers, model="smollm2-135m-instruct"):
   from jaxinfer.costmodel import ModelCosts, load_hardware
   from jaxinfer.llm import LLM
   from jaxinfer.loading import load_model
   from experiments import peers as P
-  m = load_model("smollm2-135m-instruct")
+  m = load_model(model)
   hw = load_hardware("local-cpu")
   costs = ModelCosts(m.cfg, 4.0, "f32", 16)
   rows = []
+  prog = Progress(len(batches), "batch_sweep")
   for B in batches:
     pages = -(-(L + G) // 16)
     llm = LLM(m, num_pages=B * pages + 8,
@@ -68,6 +68,7 @@ def real_sweep(batches, L, G, peers):
         r["llama_cpp"] = lc
         r["jax_over_llama_cpp_throughput"] = r["throughput_tok_s"] / lc["throughput_tok_s"]
     rows.append(r)
+    prog.step(f"batch {B}: {r['throughput_tok_s']:.0f} tok/s")
   return rows
 
 
@@ -100,25 +101,62 @@ def sim_sweep(batches, L=2048, G=256, token_budget=8192):
   return rows
 
 
-def define_flags():
-  """Flags are defined only when run as a binary, so tests can import the module's
-  functions next to other binaries' (absl refuses duplicate flag names)."""
-  flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
-  flags.DEFINE_integer("prompt_len", 128, "prompt tokens (real model)")
-  flags.DEFINE_integer("output_tokens", 32, "output tokens per request (real model)")
-  flags.DEFINE_bool("peers", True, "run the peers (HF, llama.cpp) where installed")
-  flags.DEFINE_bool("small", False, "CI size: batches 1 and 4, 8 tokens, no peers")
-  flags.DEFINE_string("output_dir", "", "write batch_sweep.json here")
-  flags.DEFINE_integer("sim_token_budget", 8192, "simulation: tokens per iteration")
+def run_study(c, output_dir: str = "") -> dict:
+  real = real_sweep(list(c.batches), c.prompt_len, c.output_tokens, c.peers, c.model)
+  sim = sim_sweep(list(c.sim_batches), token_budget=c.sim_token_budget)
+  res = {"config": c.to_dict(), "real": real, "sim": sim}
+  if output_dir:
+    write_json(output_dir, "batch_sweep.json", res)
+    plot(res, os.path.join(output_dir, "batch_sweep.png"))
+  return res
 
 
-def main(argv):
-  del argv
-  batches = [1, 4] if FLAGS.small else [int(b) for b in FLAGS.batches]
-  G = 8 if FLAGS.small else FLAGS.output_tokens
-  real = real_sweep(batches, FLAGS.prompt_len, G, FLAGS.peers and not FLAGS.small)
-  sim = sim_sweep([int(b) for b in FLAGS.batches], token_budget=FLAGS.sim_token_budget)
-  print(f"SmolLM2 f32 on this CPU, prompt {FLAGS.prompt_len}, {G} new tokens, all sent at once")
+def plot(res: dict, path: str) -> None:
+  """Throughput and mean ITL vs batch: the real model (with its peers) and the simulated
+  Qwen3-8B next to the chapter's 8-1 points."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  real, sim = res["real"], res["sim"]
+  b = [r["batch"] for r in real]
+  ax = axes[0]
+  ax.plot(b, [r["throughput_tok_s"] for r in real], "o-", label="jaxinfer")
+  for peer, label in (("hf", "HF transformers"), ("llama_cpp", "llama.cpp")):
+    pts = [(r["batch"], r[peer]["throughput_tok_s"]) for r in real if peer in r]
+    if pts:
+      ax.plot(*zip(*pts), "s--", label=label)
+  ax.set_title("SmolLM2 f32 on this CPU: throughput", fontsize=9)
+  ax.set_ylabel("output tok/s")
+  ax = axes[1]
+  ax.plot(b, [r["mean_itl_ms"] for r in real], "o-", label="mean ITL (ms)")
+  ax2 = ax.twinx()
+  ax2.plot(b, [r["mbu"] for r in real], "^:", color="tab:red", label="MBU")
+  ax2.set_ylabel("MBU")
+  ax.set_title("SmolLM2: ITL and MBU", fontsize=9)
+  ax.set_ylabel("ms")
+  ax2.legend(fontsize=7, loc="lower right")
+  ax = axes[2]
+  sb = [r["batch"] for r in sim]
+  ax.plot(sb, [r["throughput_tok_s"] for r in sim], "o-", label="simulated")
+  ch = [(r["batch"], r["chapter"]["throughput_tok_s"]) for r in sim if "chapter" in r]
+  if ch:
+    ax.plot(*zip(*ch), "k*", markersize=10, label="chapter 8-1")
+  ax.set_title("Qwen3-8B on RTX PRO 6000 (simulated)", fontsize=9)
+  ax.set_ylabel("output tok/s")
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (requests sent at once)")
+    ax.legend(fontsize=7, loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def print_tables(res: dict) -> None:
+  c, real, sim = res["config"], res["real"], res["sim"]
+  print(f"SmolLM2 f32 on this CPU, prompt {c['prompt_len']}, {c['output_tokens']} new tokens, "
+        "all sent at once")
   print(f"{'batch':>5} {'TTFT s':>7} {'ITL ms':>7} {'tok/s':>7} {'MB/round':>9} {'round ms':>9} "
         f"{'MBU':>5} {'MFU':>5} {'HF tok/s':>9} {'x HF':>5}")
   for r in real:
@@ -129,19 +167,22 @@ def main(argv):
           f"{hf.get('throughput_tok_s', float('nan')):>9.1f} "
           f"{r.get('jax_over_hf_throughput', float('nan')):>5.2f}")
   print(f"\nsimulated Qwen3-8B on RTX PRO 6000 (2K in, 256 out, chunked prefill, "
-        f"{FLAGS.sim_token_budget}-token budget), chapter's 8-1 values in ()")
+        f"{c['sim_token_budget']}-token budget), chapter's 8-1 values in ()")
   print(f"{'batch':>5} {'TTFT s':>12} {'ITL ms':>10} {'tok/s':>14} {'GB/round':>9}")
   for r in sim:
-    c = r.get("chapter")
-    f = (lambda k, fmt: f"{r[k]:{fmt}}" + (f" ({c[k]})" if c else ""))
+    ch = r.get("chapter")
+    f = (lambda k, fmt: f"{r[k]:{fmt}}" + (f" ({ch[k]})" if ch else ""))
     print(f"{r['batch']:>5} {f('ttft_s', '.3f'):>12} {f('mean_itl_ms', '.1f'):>10} "
           f"{f('throughput_tok_s', '.0f'):>14} {r['bytes_per_round'] / 1e9:>9.2f}")
-  if FLAGS.output_dir:
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "batch_sweep.json"), "w") as fh:
-      json.dump({"real": real, "sim": sim}, fh, indent=1)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  print_tables(run_study(_CONFIG.value, flags.FLAGS.output_dir))
 
 
 if __name__ == "__main__":
-  define_flags()
+  from absl import app
+  _CONFIG = define_study_flags("batch_sweep")
   app.run(main)

@@ -1,6 +1,7 @@
 """Prefix reuse across multi-round agent sessions (SPEC 8.3.3-8.3.4).
 
-  python -m experiments.prefix_reuse --output_dir=out/prefix_reuse [--small]
+  python -m experiments.prefix_reuse --output_dir=out/prefix_reuse
+  python -m experiments.prefix_reuse --config=configs/studies/prefix_reuse.py:small  # CI size
 
 A generator of agent sessions: a stable system prompt + tool definitions, then rounds
 that append a tool result to the context and generate a short reply, with interfering
@@ -14,16 +15,13 @@ TTFT. sim: Qwen3-8B on RTX PRO 6000 (roofline); jax: SmolLM2 on this CPU, scaled
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
-from absl import app, flags
 import numpy as np
 
+from experiments.common import Progress, define_study_flags, write_json
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
-
-FLAGS = flags.FLAGS
 
 @dataclasses.dataclass
 class SessionShape:
@@ -107,54 +105,89 @@ def summarize_run(engine, records):
           "rounds": records}
 
 
-def define_flags():
-  """Flags are defined only when run as a binary, so tests can import the module's
-  functions next to other binaries' (absl refuses duplicate flag names)."""
-  flags.DEFINE_enum("executor", "sim", ["sim", "jax"], "simulated clock or the real model")
-  flags.DEFINE_list("pool_gib", ["6", "1"], "sim: KV pool sizes (GiB)")
-  flags.DEFINE_list("strategies", ["append", "rewrite_head", "summarize"], "context updates")
-  flags.DEFINE_integer("rounds", 12, "agent rounds")
-  flags.DEFINE_integer("host_pages", 0, "host-tier pages for evicted prefixes")
-  flags.DEFINE_bool("small", False, "CI size")
-  flags.DEFINE_string("output_dir", "", "write prefix_reuse.json here")
+def run_study(c, output_dir: str = "") -> dict:
+  n = sum(len(c.strategies) * len(c[f"{ex}_pools"]) for ex in c.executors)
+  prog = Progress(n, "prefix_reuse")
+  results = []
+  for ex in c.executors:
+    if ex == "sim":
+      shape = SessionShape()
+      for gib, host in c.sim_pools:
+        for strat in c.strategies:
+          eng = sim_engine(gib, int(host))
+          res = summarize_run(eng, run_session(eng, shape, strat, c.rounds))
+          results.append({"executor": ex, "pool": f"{gib:g} GiB", "host_pages": int(host),
+                          "strategy": strat, **res})
+          prog.step(f"sim {gib:g} GiB host {host} {strat}")
+    else:
+      from jaxinfer.loading import load_model
+      m = load_model(c.model)
+      shape = SessionShape().scaled(c.jax_scale)
+      for pool_tokens, host in c.jax_pools:
+        for strat in c.strategies:
+          # warm-up replay (another seed) compiles the shapes the measured replay uses
+          run_session(jax_engine(m, int(pool_tokens), int(host)), shape, strat, c.rounds,
+                      seed=1)
+          eng = jax_engine(m, int(pool_tokens), int(host))
+          res = summarize_run(eng, run_session(eng, shape, strat, c.rounds))
+          results.append({"executor": ex, "pool": f"{int(pool_tokens)} tokens",
+                          "host_pages": int(host), "strategy": strat, **res})
+          prog.step(f"jax {pool_tokens} tokens host {host} {strat}")
+  if output_dir:
+    write_json(output_dir, "prefix_reuse.json", {"config": c.to_dict(), "results": results})
+    plot(results, os.path.join(output_dir, "prefix_reuse.png"))
+  return {"results": results}
+
+
+def plot(results, path: str) -> None:
+  """Per executor: the session's prompt tokens by where they came from (device hit / host
+  hit / recomputed) for each pool and strategy, with the mean TTFT on a second axis."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  exs = list(dict.fromkeys(r["executor"] for r in results))
+  fig, axes = plt.subplots(1, len(exs), figsize=(7 * len(exs), 4.2), squeeze=False)
+  for ax, ex in zip(axes[0], exs):
+    rs = [r for r in results if r["executor"] == ex]
+    x = np.arange(len(rs))
+    dev = np.array([r["device_hit_tokens"] for r in rs])
+    host = np.array([r["host_hit_tokens"] for r in rs])
+    rec = np.array([r["recomputed_tokens"] for r in rs])
+    ax.bar(x, dev, label="device hit", color="tab:green")
+    ax.bar(x, host, bottom=dev, label="host hit", color="tab:orange")
+    ax.bar(x, rec, bottom=dev + host, label="recomputed", color="tab:gray")
+    ax.set_xticks(x, [f"{r['pool']}{' +host' if r['host_pages'] else ''}\n{r['strategy']}"
+                      for r in rs], fontsize=6, rotation=60)
+    ax.set_ylabel("prompt tokens (all requests)")
+    ax2 = ax.twinx()
+    ax2.plot(x, [1e3 * r["mean_ttft_s"] for r in rs], "k^", label="session mean TTFT")
+    ax2.set_ylabel("session mean TTFT (ms)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax2.legend(fontsize=7, loc="upper right")
+    ax.set_title({"sim": "simulated Qwen3-8B on RTX PRO 6000",
+                  "jax": "SmolLM2 on this CPU (scaled session)"}.get(ex, ex), fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def print_table(res: dict) -> None:
+  print(f"{'exec':>4} {'pool':>12} {'host':>5} {'strategy':>13} {'session in':>10} {'cached':>7} "
+        f"{'device hit':>10} {'host hit':>8} {'recomputed':>10} {'mean TTFT s':>11}")
+  for r in res["results"]:
+    print(f"{r['executor']:>4} {r['pool']:>12} {r['host_pages']:>5} {r['strategy']:>13} "
+          f"{r['session_prompt_tokens']:>10} {r['session_cached_tokens']:>7} "
+          f"{r['device_hit_tokens']:>10} {r['host_hit_tokens']:>8} {r['recomputed_tokens']:>10} "
+          f"{r['mean_ttft_s']:>11.3f}")
 
 
 def main(argv):
   del argv
-  rounds = 3 if FLAGS.small else FLAGS.rounds
-  results = []
-  if FLAGS.executor == "sim":
-    shape = SessionShape()
-    for gib in (float(g) for g in FLAGS.pool_gib):
-      for strat in FLAGS.strategies:
-        eng = sim_engine(gib, FLAGS.host_pages)
-        res = summarize_run(eng, run_session(eng, shape, strat, rounds))
-        results.append({"pool": f"{gib:g} GiB", "strategy": strat, **res})
-  else:
-    from jaxinfer.loading import load_model
-    m = load_model("smollm2-135m-instruct")
-    shape = SessionShape().scaled(1 / 16 if not FLAGS.small else 1 / 48)
-    big = 4096 if not FLAGS.small else 1024
-    for pool_tokens in (big, big // 8):  # warm-up: compile the shapes the replays use
-      for strat in FLAGS.strategies:
-        run_session(jax_engine(m, pool_tokens, FLAGS.host_pages), shape, strat, rounds, seed=1)
-    for pool_tokens in (big, big // 8):
-      for strat in FLAGS.strategies:
-        eng = jax_engine(m, pool_tokens, FLAGS.host_pages)
-        res = summarize_run(eng, run_session(eng, shape, strat, rounds))
-        results.append({"pool": f"{pool_tokens} tokens", "strategy": strat, **res})
-  print(f"{'pool':>12} {'strategy':>13} {'session in':>10} {'cached':>7} {'device hit':>10} "
-        f"{'host hit':>8} {'recomputed':>10} {'mean TTFT s':>11}")
-  for r in results:
-    print(f"{r['pool']:>12} {r['strategy']:>13} {r['session_prompt_tokens']:>10} "
-          f"{r['session_cached_tokens']:>7} {r['device_hit_tokens']:>10} "
-          f"{r['host_hit_tokens']:>8} {r['recomputed_tokens']:>10} {r['mean_ttft_s']:>11.3f}")
-  if FLAGS.output_dir:
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, f"prefix_reuse_{FLAGS.executor}.json"), "w") as f:
-      json.dump(results, f, indent=1)
+  from absl import flags
+  print_table(run_study(_CONFIG.value, flags.FLAGS.output_dir))
 
 
 if __name__ == "__main__":
-  define_flags()
+  from absl import app
+  _CONFIG = define_study_flags("prefix_reuse")
   app.run(main)

@@ -1,21 +1,27 @@
-"""Fixed vs continuous vs chunked batching on one trace (SPEC 8.2.2-8.2.4).
+"""Scheduling policies and the token budget (SPEC 8.2.2-8.2.4), simulated and real.
 
-  python -m experiments.scheduling --workload=ch8_2_2 --policy=all --executor=sim --json \
-      --output_dir=out/scheduling
+  python -m experiments.scheduling --output_dir=out/scheduling
+  python -m experiments.scheduling --config=configs/studies/scheduling.py:sim    # simulator only
+  python -m experiments.scheduling --config=configs/studies/scheduling.py:small  # CI size
 
-sim: Qwen3-8B on the simulated clock with the affine step model of 8.2.2 (at most 2
-running; chunked: 2048-token chunks, 4096-token budget). jax: the same pattern scaled
-down (--token_scale, --time_scale) on SmolLM2 on this CPU. Writes one JSON and one
-timeline PNG per policy.
+1. Policies: fixed vs continuous vs chunked on the 8.2.2 trace (a long prompt arriving
+   while short ones decode; at most 2 running; chunked: 2048-token chunks, 4096-token
+   budget). sim: Qwen3-8B with 8.2.2's affine step model; jax: the same pattern scaled
+   down (config token_scale / time_scale) on SmolLM2 on this CPU. One JSON and one
+   timeline PNG per (executor, policy).
+2. Token-budget sweep (8.2.4): six requests arriving every 80 ms (scaled likewise on the
+   real model), chunked prefill with budget = chunk = 512 ... 8192: the late requests'
+   queueing time (arrival -> first admitted) against the max ITL, real and simulated
+   side by side (scheduling_budget.png).
 """
 from __future__ import annotations
 
-import json
 import os
+from typing import Dict, List
 
-from absl import app, flags
 import numpy as np
 
+from experiments.common import Progress, define_study_flags, few_buckets, write_json
 from experiments.workloads import load_workload, scale
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams, get_model_config
@@ -23,21 +29,6 @@ from jaxinfer.metrics import request_record, step_records
 from jaxinfer.plotting import plot_timeline
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
-
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("policy", "all", ["fixed", "continuous", "chunked", "all"], "policy")
-flags.DEFINE_string("workload", "ch8_2_2", "workload name or JSON trace path")
-flags.DEFINE_enum("executor", "sim", ["sim", "jax"], "simulated clock or the real model")
-flags.DEFINE_integer("max_running", 2, "requests running at once")
-flags.DEFINE_integer("chunk_size", 2048, "chunked: prefill chunk (scaled by --token_scale on jax)")
-flags.DEFINE_integer("token_budget", 4096, "chunked: tokens per iteration (scaled on jax)")
-flags.DEFINE_string("sim_model", "qwen3-8b", "model config for the simulator's KV accounting")
-flags.DEFINE_float("kv_budget_gib", 12.0, "simulator KV budget")
-flags.DEFINE_string("model", "smollm2-135m-instruct", "real model (executor=jax)")
-flags.DEFINE_float("token_scale", 1 / 32, "jax: prompt length scale")
-flags.DEFINE_float("time_scale", 3.0, "jax: arrival time scale")
-flags.DEFINE_bool("json", False, "print the results as JSON")
-flags.DEFINE_string("output_dir", "", "write JSON and timeline figures here")
 
 UNLIMITED = 1 << 20
 
@@ -61,12 +52,16 @@ def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget
                 buckets=buckets, max_model_len=cfg.max_position)
 
 
-def jax_engine(policy: str, llm_model, chunk: int, budget: int, max_running: int):
+def jax_engine(policy: str, llm_model, chunk: int, budget: int, max_running: int,
+               max_len: int):
+  """max_len: the trace's longest prompt + output (the page-table size)."""
   from jaxinfer.llm import LLM
-  buckets = BucketTable.default(max_tokens=max(256, budget), max_requests=max(4, max_running),
-                                max_pages=64)
-  llm = LLM(llm_model, num_pages=512, buckets=buckets,
+  step = budget if policy == "chunked" else max_len * max_running
+  chunk = chunk if policy == "chunked" else step
+  buckets = few_buckets(step, chunk, max_running, max_len)
+  llm = LLM(llm_model, num_pages=max_running * buckets.max_pages + 8, buckets=buckets,
             scheduler=policy_config(policy, chunk, budget, max_running, ("smollm2", "", "f32")))
+  llm.engine.warmup()
   return llm.engine
 
 
@@ -96,53 +91,142 @@ def run_trace(engine, trace, vocab: int, seed: int = 0):
   }
 
 
+def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_running: int,
+                llm_model=None, trace=()):
+  if executor == "sim":
+    return sim_engine(policy, c.sim_model, c.kv_budget_gib, chunk, budget, max_running)
+  max_len = max(r["input_tokens"] + r["output_tokens"] for r in trace)
+  return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
+
+
+def run_policies(executor: str, c, llm_model, prog) -> Dict:
+  trace = load_workload(c.workload)
+  chunk, budget = c.chunk_size, c.token_budget
+  if executor == "jax":
+    trace = scale(trace, c.token_scale, c.time_scale)
+    chunk, budget = max(1, int(chunk * c.token_scale)), max(1, int(budget * c.token_scale))
+  vocab = get_model_config(c.sim_model).vocab_size if executor == "sim" else \
+      llm_model.cfg.vocab_size
+  out = {}
+  for policy in c.policies:
+    eng = make_engine(executor, policy, c, chunk, budget, c.max_running, llm_model, trace)
+    res = run_trace(eng, trace, vocab)
+    res.update(policy=policy, executor=executor, workload=c.workload,
+               title=f"{c.workload}: {policy} ({executor})")
+    out[policy] = res
+    prog.step(f"{executor} {policy}: makespan {res['makespan_ms']:.0f} ms")
+  return out
+
+
+def late_queueing_ms(res: Dict) -> float:
+  """Mean engine queueing (arrival -> first admitted) of every request but the first."""
+  late = [r for r in res["requests"] if r["request_id"] != 0]
+  return 1e3 * float(np.mean([r["admitted_s"] - r["arrival_s"] for r in late]))
+
+
+def run_budget_sweep(executor: str, c, llm_model, prog) -> List[Dict]:
+  trace = load_workload(c.sweep_workload)
+  f = 1.0
+  if executor == "jax":
+    trace = scale(trace, c.token_scale, c.time_scale)
+    f = c.token_scale
+  vocab = get_model_config(c.sim_model).vocab_size if executor == "sim" else \
+      llm_model.cfg.vocab_size
+  rows = []
+  for b in c.sweep_budgets:
+    budget = max(1, int(b * f))
+    eng = make_engine(executor, "chunked", c, budget, budget, c.sweep_max_running, llm_model,
+                      trace)
+    res = run_trace(eng, trace, vocab)
+    ttft = [r["ttft_s"] for r in res["requests"] if r["request_id"] != 0]
+    rows.append({"executor": executor, "budget": b, "budget_tokens": budget,
+                 "late_queueing_ms": late_queueing_ms(res),
+                 "late_ttft_ms": 1e3 * float(np.mean(ttft)), "max_itl_ms": res["max_itl_ms"],
+                 "makespan_ms": res["makespan_ms"], "steps": len(res["steps"])})
+    prog.step(f"{executor} budget {b}: late queueing {rows[-1]['late_queueing_ms']:.1f} ms, "
+              f"max ITL {res['max_itl_ms']:.1f} ms")
+  return rows
+
+
+def run_study(c, output_dir: str = "") -> Dict:
+  llm_model = None
+  if "jax" in c.executors:
+    from jaxinfer.loading import load_model
+    llm_model = load_model(c.model)
+  prog = Progress(len(c.executors) * (len(c.policies) + len(c.sweep_budgets)), "scheduling")
+  policies, sweep = {}, []
+  for ex in c.executors:
+    policies[ex] = run_policies(ex, c, llm_model, prog)
+    sweep += run_budget_sweep(ex, c, llm_model, prog)
+  summary = {ex: {p: {"makespan_ms": r["makespan_ms"], "max_itl_ms": r["max_itl_ms"],
+                      "requests": [{k: q[k] for k in ("request_id", "arrival_s", "first_token_s",
+                                                      "finished_s", "ttft_s", "max_itl_s")}
+                                   for q in r["requests"]]}
+                  for p, r in pol.items()} for ex, pol in policies.items()}
+  if output_dir:
+    for ex, pol in policies.items():
+      for p, res in pol.items():
+        base = os.path.join(output_dir, f"scheduling_{ex}_{p}")
+        write_json(output_dir, os.path.basename(base) + ".json", res)
+        plot_timeline(res["requests"], res["steps"], base + ".png", res["title"])
+    write_json(output_dir, "scheduling.json", {"config": c.to_dict(), "policies": summary,
+                                               "budget_sweep": sweep})
+    if sweep:
+      plot_sweep(sweep, os.path.join(output_dir, "scheduling_budget.png"))
+  return {"policies": summary, "budget_sweep": sweep}
+
+
+def plot_sweep(rows: List[Dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  exs = list(dict.fromkeys(r["executor"] for r in rows))
+  fig, axes = plt.subplots(1, len(exs), figsize=(5.5 * len(exs), 3.8), squeeze=False)
+  for ax, ex in zip(axes[0], exs):
+    rs = [r for r in rows if r["executor"] == ex]
+    x = [r["budget"] for r in rs]
+    ax.plot(x, [r["late_queueing_ms"] for r in rs], "o-", label="late requests' queueing")
+    ax.plot(x, [r["max_itl_ms"] for r in rs], "s-", label="max ITL")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget (chapter scale; real model runs it x token_scale)")
+    ax.set_ylabel("ms")
+    ax.set_title({"sim": "simulated Qwen3-8B (8.2.2 step model)",
+                  "jax": "SmolLM2 on this CPU (scaled replay)"}[ex], fontsize=9)
+    ax.legend(fontsize=8)
+  fig.suptitle("8.2.4: six requests every 80 ms, chunked prefill, budget = chunk", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def print_tables(res: Dict) -> None:
+  for ex, pol in res["policies"].items():
+    print(f"[{ex}] {'policy':>11} {'makespan ms':>12} {'max ITL ms':>11}  per request "
+          "(TTFT ms / finish ms)")
+    for p, r in pol.items():
+      per = "  ".join(f"r{q['request_id']}: {1e3 * q['ttft_s']:.1f}/{1e3 * q['finished_s']:.1f}"
+                      for q in r["requests"])
+      print(f"[{ex}] {p:>11} {r['makespan_ms']:>12.1f} {r['max_itl_ms']:>11.1f}  {per}")
+  if res["budget_sweep"]:
+    print(f"{'executor':>8} {'budget':>7} {'(tokens)':>9} {'late queueing ms':>17} "
+          f"{'late TTFT ms':>13} {'max ITL ms':>11}")
+    for r in res["budget_sweep"]:
+      print(f"{r['executor']:>8} {r['budget']:>7} {r['budget_tokens']:>9} "
+            f"{r['late_queueing_ms']:>17.1f} {r['late_ttft_ms']:>13.1f} {r['max_itl_ms']:>11.1f}")
+
+
 def main(argv):
   del argv
-  trace = load_workload(FLAGS.workload)
-  policies = ["fixed", "continuous", "chunked"] if FLAGS.policy == "all" else [FLAGS.policy]
-  chunk, budget = FLAGS.chunk_size, FLAGS.token_budget
-  llm_model = None
-  if FLAGS.executor == "jax":
-    trace = scale(trace, FLAGS.token_scale, FLAGS.time_scale)
-    chunk = max(1, int(chunk * FLAGS.token_scale))
-    budget = max(1, int(budget * FLAGS.token_scale))
-    from jaxinfer.loading import load_model
-    llm_model = load_model(FLAGS.model)
-  results = {}
-  for policy in policies:
-    if FLAGS.executor == "sim":
-      eng = sim_engine(policy, FLAGS.sim_model, FLAGS.kv_budget_gib, chunk, budget,
-                       FLAGS.max_running)
-      vocab = get_model_config(FLAGS.sim_model).vocab_size
-    else:
-      eng = jax_engine(policy, llm_model, chunk, budget, FLAGS.max_running)
-      vocab = llm_model.cfg.vocab_size
-      run_trace(eng, trace, vocab, seed=1)  # warm-up: compile the buckets this trace uses
-      eng = jax_engine(policy, llm_model, chunk, budget, FLAGS.max_running)
-    res = run_trace(eng, trace, vocab)
-    res.update(policy=policy, executor=FLAGS.executor, workload=FLAGS.workload,
-               title=f"{FLAGS.workload}: {policy} ({FLAGS.executor})")
-    results[policy] = res
-    if FLAGS.output_dir:
-      os.makedirs(FLAGS.output_dir, exist_ok=True)
-      base = os.path.join(FLAGS.output_dir, f"scheduling_{FLAGS.executor}_{policy}")
-      with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1, default=str)
-      plot_timeline(res["requests"], res["steps"], base + ".png", res["title"])
-  summary = {p: {"makespan_ms": r["makespan_ms"], "max_itl_ms": r["max_itl_ms"],
-                 "requests": [{k: q[k] for k in ("request_id", "arrival_s", "first_token_s",
-                                                 "finished_s", "ttft_s", "max_itl_s")}
-                              for q in r["requests"]]}
-             for p, r in results.items()}
-  if FLAGS.json:
-    print(json.dumps(summary, indent=1))
+  from absl import flags
+  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
+  if _CONFIG.value.json:
+    import json
+    print(json.dumps(res, indent=1))
     return
-  print(f"{'policy':>11} {'makespan ms':>12} {'max ITL ms':>11}  per request (TTFT ms / finish ms)")
-  for p, r in summary.items():
-    per = "  ".join(f"r{q['request_id']}: {1e3 * q['ttft_s']:.1f}/{1e3 * q['finished_s']:.1f}"
-                    for q in r["requests"])
-    print(f"{p:>11} {r['makespan_ms']:>12.1f} {r['max_itl_ms']:>11.1f}  {per}")
+  print_tables(res)
 
 
 if __name__ == "__main__":
+  from absl import app
+  _CONFIG = define_study_flags("scheduling")
   app.run(main)

@@ -6,10 +6,17 @@ import sys
 import pytest
 
 
+from experiments.common import ROOT, config_path
+
+
 def _run(*args, timeout=900):
   out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                       check=True, timeout=timeout)
+                       check=True, timeout=timeout, cwd=ROOT)
   return out.stdout
+
+
+def _config(study, mode):
+  return f"--config={config_path(study)}:{mode}"
 
 
 def test_plan_select_json(tmp_path):
@@ -20,10 +27,28 @@ def test_plan_select_json(tmp_path):
 
 
 def test_scheduling_sim_json(tmp_path):
-  d = json.loads(_run("experiments.scheduling", "--workload=ch8_2_2", "--policy=all",
-                      "--executor=sim", "--json", f"--output_dir={tmp_path}"))
-  assert d["continuous"]["max_itl_ms"] > d["chunked"]["max_itl_ms"] > d["fixed"]["max_itl_ms"]
+  """8.2.2's ordering of max ITL across policies, and 8.2.4's trade: a larger token
+  budget lets late requests leave the queue sooner but raises the max ITL."""
+  d = json.loads(_run("experiments.scheduling", _config("scheduling", "sim"),
+                      "--config.json", f"--output_dir={tmp_path}"))
+  p = d["policies"]["sim"]
+  assert p["continuous"]["max_itl_ms"] > p["chunked"]["max_itl_ms"] > p["fixed"]["max_itl_ms"]
+  sweep = d["budget_sweep"]
+  assert [r["budget"] for r in sweep] == [512, 1024, 2048, 4096, 8192]
+  assert sweep[0]["late_queueing_ms"] > 3 * sweep[-1]["late_queueing_ms"]
+  assert sweep[0]["max_itl_ms"] < sweep[-1]["max_itl_ms"]
   assert (tmp_path / "scheduling_sim_chunked.png").exists()
+  assert (tmp_path / "scheduling_budget.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_scheduling_small_real(tmp_path):
+  d = json.loads(_run("experiments.scheduling", _config("scheduling", "small"),
+                      "--config.json", f"--output_dir={tmp_path}"))
+  assert set(d["policies"]["jax"]) == {"continuous", "chunked"}
+  real = [r for r in d["budget_sweep"] if r["executor"] == "jax"]
+  assert [r["budget_tokens"] for r in real] == [16, 256]
+  assert all(r["max_itl_ms"] > 0 for r in real)
 
 
 @pytest.mark.slow
@@ -47,10 +72,12 @@ def test_batch_sweep_simulation_matches_chapter():
 
 @pytest.mark.slow
 def test_batch_sweep_small(tmp_path):
-  out = _run("experiments.batch_sweep", "--small", f"--output_dir={tmp_path}")
+  out = _run("experiments.batch_sweep", _config("batch_sweep", "small"),
+             f"--output_dir={tmp_path}")
   assert "MBU" in out
   d = json.loads((tmp_path / "batch_sweep.json").read_text())
   assert [r["batch"] for r in d["real"]] == [1, 4]
+  assert (tmp_path / "batch_sweep.png").stat().st_size > 10_000
   assert all(0 < r["mbu"] < 1.5 for r in d["real"])
 
 
@@ -76,8 +103,54 @@ def test_prefix_reuse_strategies_and_tiers():
 
 @pytest.mark.slow
 def test_prefix_reuse_real_small(tmp_path):
-  out = _run("experiments.prefix_reuse", "--executor=jax", "--small",
+  out = _run("experiments.prefix_reuse", _config("prefix_reuse", "small"),
              f"--output_dir={tmp_path}")
-  d = json.loads((tmp_path / "prefix_reuse_jax.json").read_text())
+  d = json.loads((tmp_path / "prefix_reuse.json").read_text())["results"]
+  assert (tmp_path / "prefix_reuse.png").stat().st_size > 10_000
   append = [r for r in d if r["strategy"] == "append"][0]
   assert append["session_cached_tokens"] > 0 and "mean TTFT" in out
+
+
+@pytest.mark.slow
+def test_kv_quality_small(tmp_path):
+  """8.4.4 at CI size: the f32 reference agrees with itself; q4_0 KV drifts from it
+  (KL > 0, top-1 < 1) and stores fewer bytes per token; every attempt is graded."""
+  out = _run("experiments.kv_quality", _config("kv_quality", "small"),
+             f"--output_dir={tmp_path}")
+  d = json.loads((tmp_path / "kv_quality.json").read_text())
+  s = {r["variant"]: r for r in d["summary"]}
+  assert s["f32"]["top1_agreement"] == 1.0 and s["f32"]["kl_mean"] == 0.0
+  assert 0 < s["q4_0"]["kl_mean"] and s["q4_0"]["top1_agreement"] < 1.0
+  assert s["q4_0"]["kv_bytes_per_token"] < s["f32"]["kv_bytes_per_token"] / 5
+  assert len(d["attempts"]) == 3 * 2 * 2  # variants x concurrencies x tasks
+  assert (tmp_path / "kv_quality_grids.png").stat().st_size > 10_000
+  assert "top-1" in out
+
+
+@pytest.mark.slow
+def test_goodput_small(tmp_path):
+  """8.6.2 at CI size: every request is accounted (done or rejected) in every window,
+  goodput never exceeds completion throughput, and the low rate is served in full."""
+  out = _run("experiments.goodput", _config("goodput", "small"), f"--output_dir={tmp_path}")
+  d = json.loads((tmp_path / "goodput.json").read_text())
+  for w in d["windows"]:
+    assert w["completed"] + w["rejected"] == 4
+    assert w["goodput_rps"] <= w["completion_rps"] + 1e-9
+  low = [s for s in d["summary"] if s["rate"] == 2.0 and s["mode"] == "continuous"][0]
+  assert low["completed"] == 4
+  assert (tmp_path / "goodput.png").stat().st_size > 10_000
+  assert "goodput/s" in out
+
+
+def test_config_select_small(tmp_path):
+  """8.6.3 end to end at CI size: the planner and the simulated runs through the
+  scheduler both choose D; B misses the deadline; D's draft memory shows in its peak."""
+  _run("experiments.config_select", _config("config_select", "small"),
+       f"--output_dir={tmp_path}")
+  d = json.loads((tmp_path / "config_select.json").read_text())["scenarios"][0]
+  assert d["chosen"] == "D" and d["chosen_by_simulation"] == "D"
+  sims = {s["name"]: s for s in d["simulated"]}
+  assert sims["B"]["good"] < 16 and sims["D"]["good"] == 16 and sims["E"]["good"] == 16
+  assert sims["D"]["peak_kv_mib"] > sims["B"]["peak_kv_mib"] + 3000
+  assert 2.5 < sims["D"]["tokens_per_round"] < 3.5
+  assert (tmp_path / "config_select_12GiB-256_D.png").exists()
