@@ -140,8 +140,8 @@ def run_study(c, output_dir: str = "") -> dict:
 
 
 def plot(results, path: str) -> None:
-  """Per executor: the session's prompt tokens by where they came from (device hit / host
-  hit / recomputed) for each pool and strategy, with the mean TTFT on a second axis."""
+  """Per executor: the agent session's prompt tokens by where they came from (device hit /
+  host hit / recomputed) for each pool and strategy, its mean TTFT on a second axis."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -150,15 +150,18 @@ def plot(results, path: str) -> None:
   for ax, ex in zip(axes[0], exs):
     rs = [r for r in results if r["executor"] == ex]
     x = np.arange(len(rs))
-    dev = np.array([r["device_hit_tokens"] for r in rs])
+    # The session's own prompt tokens (interfering requests share nothing; every host
+    # hit is the session's prefix coming back).
     host = np.array([r["host_hit_tokens"] for r in rs])
-    rec = np.array([r["recomputed_tokens"] for r in rs])
+    dev = np.array([r["session_cached_tokens"] for r in rs]) - host
+    rec = np.array([r["session_prompt_tokens"] - r["session_cached_tokens"] for r in rs])
     ax.bar(x, dev, label="device hit", color="tab:green")
     ax.bar(x, host, bottom=dev, label="host hit", color="tab:orange")
     ax.bar(x, rec, bottom=dev + host, label="recomputed", color="tab:gray")
     ax.set_xticks(x, [f"{r['pool']}{' +host' if r['host_pages'] else ''}\n{r['strategy']}"
                       for r in rs], fontsize=6, rotation=60)
-    ax.set_ylabel("prompt tokens (all requests)")
+    ax.set_ylabel("the session's prompt tokens")
+    ax.set_ylim(0, 1.35 * max(dev + host + rec))  # room for the legends
     ax2 = ax.twinx()
     ax2.plot(x, [1e3 * r["mean_ttft_s"] for r in rs], "k^", label="session mean TTFT")
     ax2.set_ylabel("session mean TTFT (ms)")
