@@ -10,7 +10,7 @@ retrieval questions with known answers — to the engine in each admission mode:
   all_at_once  the window's requests are held until its last one has arrived and then
                run together as one static batch,
   deadline     continuous, with deadline-aware admission (8.6.1): a request whose
-               predicted finish (step-time model fitted to this machine's warm-up steps)
+               predicted finish (step-time model fitted to steps measured here first)
                is past its deadline is rejected at once instead of run late.
 Time is counted from each request's *scheduled* arrival, including any time it waited
 outside the engine. Per window: completion throughput (all completions / T_obs) and
@@ -58,7 +58,8 @@ def make_llm(loaded, mode: str, c):
     sched = SchedulerConfig("continuous" if mode == "sequential" else "chunked",
                             1 if mode == "sequential" else n, b, b, cache_key=key,
                             deadline_admission=mode == "deadline")
-    buckets = few_buckets(b, b, n, max_len)
+    # sequential: one request slot, so its decode steps are not padded to n slots
+    buckets = few_buckets(b, b, 1 if mode == "sequential" else n, max_len)
   llm = LLM.from_loaded(loaded, buckets=buckets, num_pages=n * c.prompt_pages + 8,
                         scheduler=sched)
   llm.engine.warmup()
@@ -118,11 +119,8 @@ def run_study(c, output_dir: str = "") -> Dict:
   busy = arrival_times("fixed", max(c.rates), c.window, 0)
   for m in c.modes:
     llm = llms[m] = make_llm(loaded, m, c)  # compiles every shape
-    # A first window: the first executions of fresh executables are slower (measured
-    # here 2-9x), which would otherwise land in the first measured window.
-    run_window(llm.engine, prompts, answers, m, busy, 1e9, c.max_tokens)
     if m in ("continuous", "deadline") and fitted is None:
-      n0 = len(llm.engine.steps)  # the deadline model, fitted on a warm window
+      n0 = len(llm.engine.steps)  # the deadline model, fitted on one busy window
       run_window(llm.engine, prompts, answers, "continuous", busy, 1e9, c.max_tokens)
       fitted = AffineStepModel.fit(llm.engine.steps[n0:])
     if m == "deadline":

@@ -99,13 +99,6 @@ def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_runn
   return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
 
 
-def warm_replay(engine, trace, vocab: int) -> None:
-  """The trace once on a throwaway engine (other tokens) before the measured replay: the
-  engine compiled every shape at construction, but the first real executions of fresh
-  executables still ran 2-9x slower here, which would land in the measured run."""
-  run_trace(engine, trace, vocab, seed=1)
-
-
 def run_policies(executor: str, c, llm_model, prog) -> Dict:
   trace = load_workload(c.workload)
   chunk, budget = c.chunk_size, c.token_budget
@@ -116,9 +109,6 @@ def run_policies(executor: str, c, llm_model, prog) -> Dict:
       llm_model.cfg.vocab_size
   out = {}
   for policy in c.policies:
-    if executor == "jax":  # see warm_replay
-      warm_replay(make_engine(executor, policy, c, chunk, budget, c.max_running, llm_model,
-                              trace), trace, vocab)
     eng = make_engine(executor, policy, c, chunk, budget, c.max_running, llm_model, trace)
     res = run_trace(eng, trace, vocab)
     res.update(policy=policy, executor=executor, workload=c.workload,
@@ -145,11 +135,9 @@ def run_budget_sweep(executor: str, c, llm_model, prog) -> List[Dict]:
   rows = []
   for b in c.sweep_budgets:
     budget = max(1, int(b * f))
-    mk = lambda: make_engine(executor, "chunked", c, budget, budget,  # noqa: E731
-                             c.sweep_max_running, llm_model, trace)
-    if executor == "jax":
-      warm_replay(mk(), trace, vocab)
-    res = run_trace(mk(), trace, vocab)
+    eng = make_engine(executor, "chunked", c, budget, budget, c.sweep_max_running, llm_model,
+                      trace)
+    res = run_trace(eng, trace, vocab)
     ttft = [r["ttft_s"] for r in res["requests"] if r["request_id"] != 0]
     rows.append({"executor": executor, "budget": b, "budget_tokens": budget,
                  "late_queueing_ms": late_queueing_ms(res),

@@ -120,8 +120,9 @@ class BucketTable:
     for R, P, T in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes):
       if T < R and T != self.token_sizes[-1]:
         continue  # R one-token requests use the smallest T >= R
-      shapes = [(1, 0)] + [(min(Q, T), Rp) for Q in self.query_sizes
-                           for Rp in self.prefill_slot_sizes if Rp <= R and Q <= T]
+      # select() caps Q at T, so a query size above T runs as Q = T.
+      shapes = [(1, 0)] + sorted({(min(Q, T), Rp) for Q in self.query_sizes
+                                  for Rp in self.prefill_slot_sizes if Rp <= R})
       for Q, Rp in shapes:
         for S in ((R, T) if verify and Rp else (R,)):
           b = Bucket(T, R, P, Q, S, Rp)

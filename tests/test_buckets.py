@@ -30,6 +30,18 @@ def test_select_pads_up_and_all_buckets_cover_it():
   assert (b.num_requests, b.prefill_slots) == (8, 8) and b in warm
 
 
+def test_all_buckets_cover_query_sizes_above_small_token_sizes():
+  """A query size larger than a token size runs as Q = T there (select caps it); warm-up
+  must compile those shapes too, or a measured run pays for the compile mid-trace."""
+  t = BucketTable(token_sizes=(16, 64, 256), request_sizes=(16,), page_sizes=(16,),
+                  query_sizes=(256,), prefill_slot_sizes=(1, 2, 16))
+  warm = set(t.all_buckets())
+  for n_tok, n_pre in itertools.product((5, 20, 90, 200), (1, 2, 3)):
+    b = t.select(n_tok + 4, 4, 8, n_tok // n_pre + 1, n_pre)
+    assert b in warm, b
+  assert len(warm) == 3 * 4  # per token size: decode + three prefill-slot counts
+
+
 def test_pack_is_padded_and_never_truncates():
   t = BucketTable(token_sizes=(8,), request_sizes=(2,), page_sizes=(2,))
   step = pack([SeqWork([1, 2, 3], 0, [5]), SeqWork([9], 6, [6, 7])], t, page_size=4, num_pages=10)
