@@ -45,6 +45,28 @@ def test_deadline_admission_rejects_what_cannot_finish():
   assert again.reject_reason == "deadline"
 
 
+def test_deadline_estimate_counts_prompts_queued_behind():
+  """Prompts that arrived behind a request share its decode rounds' token budget: a
+  request that would finish in time alone misses its deadline behind three long prompts
+  (checked without admission control), and the estimate sees it and rejects it."""
+  sp = SamplingParams(max_tokens=20, ignore_eos=True)
+
+  def run(backlog, admission=True):
+    ex = SimExecutor(AffineStepModel(), num_pages=1024, page_size=16)
+    eng = Engine(ex, SchedulerConfig("chunked", 8, 512, 512, deadline_admission=admission),
+                 buckets=BucketTable.default(512, 8, 256), step_model=AffineStepModel())
+    r = eng.add_request([1] * 100, sp, arrival_time=0.0, deadline_s=0.65)  # ~0.53 s alone
+    for _ in range(backlog):
+      eng.add_request([2] * 2000, sp, arrival_time=0.0)
+    eng.run()
+    return r
+
+  assert run(0).on_time
+  late = run(3, admission=False)
+  assert late.state.value == "finished" and not late.on_time
+  assert run(3).reject_reason == "deadline"
+
+
 def test_arrival_processes():
   assert goodput.arrival_times("fixed", 4.0, 5, 0).tolist() == [0, 0.25, 0.5, 0.75, 1.0]
   p = goodput.arrival_times("poisson", 8.0, 4001, 1)
