@@ -100,32 +100,20 @@ class JaxExecutor:
 
   def run(self, step: StepInput, return_logits: bool = False):
     """Returns packed [S, 3] float32 numpy (token id, logprob, accepted) rows (and logits)."""
+    if not return_logits:
+      return self.execute(step).packed
     if self.streamer is not None:
-      if return_logits:
-        raise ValueError("return_logits is not available with weight offload")
-      return self.collect(self.launch(step)).packed
-    out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
-                                attn_shape=step.bucket.attn_shape, backend=self.backend,
-                                return_logits=return_logits)
-    if return_logits:
-      packed, logits = out
-      return np.asarray(packed), np.asarray(logits)
-    return np.asarray(out)
+      raise ValueError("return_logits is not available with weight offload")
+    (packed, logits), self.pool = model_step(
+        self.params, self.pool, step.arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
+        backend=self.backend, return_logits=True)
+    return np.asarray(packed), np.asarray(logits)
 
   def warmup(self, buckets: Sequence[Bucket]) -> float:
     """Compile every given bucket ahead of time; returns seconds spent."""
     t0 = time.perf_counter()
-    if self.streamer is not None:
-      for b in buckets:
-        _, self.pool = self.streamer.run(self.pool, dummy_inputs(b, self.num_pages),
-                                         b.attn_shape, self.backend)
-      jax.block_until_ready(self.pool)
-      return time.perf_counter() - t0
     for b in buckets:
-      arrays = dummy_inputs(b, self.num_pages)
-      _, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                attn_shape=b.attn_shape, backend=self.backend,
-                                return_logits=False)
+      self.launch(StepInput(dummy_inputs(b, self.num_pages), b, [], 0))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
 

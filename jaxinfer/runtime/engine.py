@@ -56,24 +56,30 @@ class InFlight:
 
 
 def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Request], Optional[str]]:
-  """stop token / EOS -> "stop"; a stop string cuts the text -> "stop"; max_tokens -> "length"."""
+  """stop token / EOS -> "stop"; a stop string cuts the text -> "stop"; max_tokens -> "length".
+  The output is detokenized only where it is needed: every token for a request with stop
+  strings, otherwise once, when the request finishes (decoding the whole output on every
+  step made each step's host work grow with the output length)."""
   eos = set(eos_token_ids)
 
   def check(r: Request) -> Optional[str]:
     sp = r.sampling
     last = r.output_token_ids[-1]
-    if tokenizer is not None:
-      r.text = tokenizer.decode(r.output_token_ids)
+    reason = None
     if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos):
-      return "stop"
-    for s in sp.stop:
-      i = r.text.find(s)
-      if i >= 0:
-        r.text = r.text[:i]
-        return "stop"
-    if len(r.output_token_ids) >= sp.max_tokens:
-      return "length"
-    return None
+      reason = "stop"
+    elif sp.stop and tokenizer is not None:
+      text = tokenizer.decode(r.output_token_ids)
+      for s in sp.stop:
+        i = text.find(s)
+        if i >= 0:
+          r.text = text[:i]
+          return "stop"
+    if reason is None and len(r.output_token_ids) >= sp.max_tokens:
+      reason = "length"
+    if reason is not None and tokenizer is not None:
+      r.text = tokenizer.decode(r.output_token_ids)
+    return reason
 
   return check
 
@@ -84,7 +90,6 @@ class Engine:
                buckets: BucketTable, tokenizer=None, eos_token_ids: Sequence[int] = (),
                max_model_len: int = 1 << 30, prefix_cache: bool = False,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
-               estimate_time: Optional[Callable[[Request, int], float]] = None,
                drafter=None, draft_policy=None, step_model=None):
     """drafter / draft_policy: speculative decoding (runtime.speculative); drafts are
     verified in the next target step. step_model: a StepTimeModel (e.g. an
@@ -99,11 +104,10 @@ class Engine:
     self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
                   if prefix_cache else None)
     self.step_model = step_model if step_model is not None else getattr(executor, "model", None)
-    if estimate_time is None and self.step_model is not None:
-      estimate_time = self._estimate_from_step_model
     self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,
                                max_step_requests=buckets.max_requests,
-                               estimate_time=estimate_time)
+                               estimate_time=None if self.step_model is None else
+                               self._estimate_from_step_model)
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
     self.requests: Dict[object, Request] = {}
     self.steps: List[StepRecord] = []
@@ -176,7 +180,10 @@ class Engine:
           f"{self.pm.num_pages} pages of {self.pm.page_size} tokens")
 
   def abort(self, request_id) -> None:
-    self.scheduler.abort(self.requests[request_id], self.now())
+    r = self.requests[request_id]
+    self.scheduler.abort(r, self.now())
+    if self.tokenizer is not None:
+      r.text = self.tokenizer.decode(r.output_token_ids)
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None

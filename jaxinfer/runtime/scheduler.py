@@ -17,6 +17,7 @@ cached part of the prompt. Host-side only; imports no JAX.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -123,8 +124,7 @@ class Scheduler:
   # --- queue ----------------------------------------------------------------------------
   def add(self, r: Request) -> None:
     self._key[r.request_id] = (r.priority, r.arrival_time, next(self._order))
-    self.waiting.append(r)
-    self.waiting.sort(key=lambda x: self._key[x.request_id])
+    bisect.insort(self.waiting, r, key=lambda x: self._key[x.request_id])
 
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
@@ -300,8 +300,7 @@ class Scheduler:
     r.num_preemptions += 1
     self.num_preemptions += 1
     r.set_state(State.WAITING)
-    self.waiting.insert(0, r)
-    self.waiting.sort(key=lambda x: self._key[x.request_id])
+    bisect.insort(self.waiting, r, key=lambda x: self._key[x.request_id])
     plan.preempted.append(r)
 
   def _release(self, r: Request) -> None:
