@@ -15,9 +15,10 @@ import os
 
 import numpy as np
 
-from experiments.common import Progress, define_study_flags, write_json
+from experiments.common import Progress, run_binary, write_json
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
+from jaxinfer.plotting import pyplot, save
 
 # SPEC 8-1 sweep (2K in, 256 out, all sent at once): batch -> (tok/s, TTFT s, mean ITL ms)
 CHAPTER = {1: (37, 0.096, 27), 64: (1165, 3.29, 40)}
@@ -114,9 +115,7 @@ def run_study(c, output_dir: str = "") -> dict:
 def plot(res: dict, path: str) -> None:
   """Throughput and mean ITL vs batch: the real model (with its peers) and the simulated
   Qwen3-8B next to the chapter's 8-1 points."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
   real, sim = res["real"], res["sim"]
   b = [r["batch"] for r in real]
@@ -148,9 +147,7 @@ def plot(res: dict, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (requests sent at once)")
     ax.legend(fontsize=7, loc="upper left")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_tables(res: dict) -> None:
@@ -176,13 +173,5 @@ def print_tables(res: dict) -> None:
           f"{f('throughput_tok_s', '.0f'):>14} {r['bytes_per_round'] / 1e9:>9.2f}")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  print_tables(run_study(_CONFIG.value, flags.FLAGS.output_dir))
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("batch_sweep")
-  app.run(main)
+  run_binary("batch_sweep", run_study, print_tables)

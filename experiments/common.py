@@ -24,13 +24,26 @@ def load_config(study: str, mode: str = ""):
 
 def define_study_flags(study: str):
   """--config (this study's file in configs/studies; `path:small` for the CI size; fields
-  overridable as --config.field=value) and --output_dir. Call under __main__ only."""
+  overridable as --config.field=value) and --output_dir. Call under __main__ only (absl
+  refuses a flag defined twice, and tests import several studies)."""
   from absl import flags
   from ml_collections import config_flags
   cfg = config_flags.DEFINE_config_file("config", config_path(study),
                                         f"ml-collections config of the {study} study")
   flags.DEFINE_string("output_dir", f"out/{study}", "write JSON and PNG figures here")
   return cfg
+
+
+def run_binary(study: str, run_study, show) -> None:
+  """A study's __main__: --config / --output_dir, then show(run_study(config, output_dir))."""
+  from absl import app, flags
+  config = define_study_flags(study)
+
+  def main(argv):
+    del argv
+    show(run_study(config.value, flags.FLAGS.output_dir))
+
+  app.run(main)
 
 
 def write_json(output_dir: str, name: str, obj) -> str:

@@ -25,7 +25,8 @@ from typing import Dict, List
 
 import numpy as np
 
-from experiments.common import Progress, define_study_flags, write_json
+from experiments.common import Progress, run_binary, write_json
+from jaxinfer.plotting import plot_timeline, pyplot, save
 
 MIB = 2**20
 
@@ -144,7 +145,6 @@ def run_scenario(sc: Dict, variants: List[Dict], c, output_dir: str, prog) -> Di
     prog.step(f"{sc['name']} {v['name']}: {s['good']}/{sc['num_requests']} on time, "
               f"T_obs {s['t_obs_s']:.2f}s")
     if output_dir:
-      from jaxinfer.plotting import plot_timeline
       plot_timeline(s["requests"], s["steps"],
                     os.path.join(output_dir, f"config_select_{sc['name']}_{v['name']}.png"),
                     f"{sc['name']}: variant {v['name']} ({v.get('label', '')})")
@@ -178,9 +178,7 @@ def run_study(c, output_dir: str = "") -> Dict:
 def plot_summary(out: List[Dict], path: str) -> None:
   """Per scenario: each simulated variant's completion times (dots) against the deadline,
   and its peak KV memory against the budget."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   fig, axes = plt.subplots(2, len(out), figsize=(4.2 * len(out), 6.4), squeeze=False)
   for j, o in enumerate(out):
     sc, sims = o["scenario"], o["simulated"]
@@ -201,9 +199,7 @@ def plot_summary(out: List[Dict], path: str) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("peak KV + extra (GiB)")
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_tables(res: Dict) -> None:
@@ -226,14 +222,5 @@ def print_tables(res: Dict) -> None:
       print(f"  {p['name']:>3} {str(p['fits_memory']):>9} {p['total_s']:>7.2f} | {sim}")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
-  print_tables(res)
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("config_select")
-  app.run(main)
+  run_binary("config_select", run_study, print_tables)

@@ -24,8 +24,9 @@ from typing import Dict, List
 
 import numpy as np
 
-from experiments.common import Progress, define_study_flags, few_buckets, write_json
+from experiments.common import Progress, few_buckets, run_binary, write_json
 from experiments.kv_quality import is_correct, make_tasks
+from jaxinfer.plotting import pyplot, save
 
 MODES = ("sequential", "continuous", "all_at_once", "deadline")
 
@@ -158,9 +159,7 @@ def run_study(c, output_dir: str = "") -> Dict:
 
 def plot(summary: List[Dict], c, path: str) -> None:
   """Completion throughput and goodput vs arrival rate per mode (figures 8-33 / 8-34)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   procs = list(dict.fromkeys(s["process"] for s in summary))
   fig, axes = plt.subplots(len(procs), 2, figsize=(10, 3.6 * len(procs)), squeeze=False)
   for i, p in enumerate(procs):
@@ -182,9 +181,7 @@ def plot(summary: List[Dict], c, path: str) -> None:
       ax.set_ylabel("req/s")
       ax.set_title(f"{title} ({p} arrivals, deadline {c.deadline_s} s)", fontsize=9)
       ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_table(res: Dict) -> None:
@@ -201,14 +198,5 @@ def print_table(res: Dict) -> None:
           f"{sm['per_token_ms']:.3f} ms/token")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
-  print_table(res)
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("goodput")
-  app.run(main)
+  run_binary("goodput", run_study, print_table)

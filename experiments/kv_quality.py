@@ -25,7 +25,8 @@ from typing import Dict, List
 
 import numpy as np
 
-from experiments.common import Progress, ROOT, define_study_flags, write_json
+from experiments.common import Progress, ROOT, run_binary, write_json
+from jaxinfer.plotting import pyplot, save
 
 TEXTS = os.path.join(ROOT, "experiments", "data", "texts.txt")
 
@@ -235,9 +236,7 @@ def run_study(c, output_dir: str = "") -> Dict:
 
 def plot_grids(attempts: List[Dict], path: str) -> None:
   """Per-variant correct (green) / incorrect (red) grids: tasks x attempts (8-26..8-28)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   variants = list(dict.fromkeys(a["variant"] for a in attempts))
   tasks = list(dict.fromkeys(a["task"] for a in attempts))
   cols = sorted({(a["concurrency"], a["run"]) for a in attempts})
@@ -254,15 +253,11 @@ def plot_grids(attempts: List[Dict], path: str) -> None:
     ax.set_yticks(range(len(tasks)), tasks if ax is axes[0][0] else [], fontsize=7)
   fig.suptitle("Retrieval: correct (green) / incorrect (red) per task and attempt "
                "(c = concurrency . run)", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def plot_fidelity(summary: List[Dict], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   names = [s["variant"] for s in summary]
   panels = [("top1_agreement", "top-1 agreement with f32"), ("kl_mean", "mean KL (nats)"),
             ("kv_bytes_per_token", "KV bytes / token"), ("step_ms", "decode step (ms)")]
@@ -273,9 +268,7 @@ def plot_fidelity(summary: List[Dict], path: str) -> None:
     ax.set_title(title, fontsize=9)
     if k == "top1_agreement":
       ax.set_ylim(min(s[k] for s in summary) - 0.05, 1.0)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_table(res: Dict) -> None:
@@ -290,14 +283,5 @@ def print_table(res: Dict) -> None:
           f"{s['step_ms']:>8.2f}  {ttc}")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
-  print_table(res)
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("kv_quality")
-  app.run(main)
+  run_binary("kv_quality", run_study, print_table)

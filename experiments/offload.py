@@ -19,6 +19,7 @@ from jaxinfer.config import SamplingParams, get_model_config
 from jaxinfer.costmodel import RooflineStepModel, load_hardware
 from jaxinfer.costmodel.offload import OffloadConfig, OffloadStepModel, account
 from jaxinfer.executors.sim_executor import SimExecutor
+from jaxinfer.plotting import pyplot, save
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
 
@@ -111,9 +112,7 @@ def main(argv):
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "offload.json"), "w") as f:
       json.dump({"simulated": rows, "real": real}, f, indent=1)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for hw in FLAGS.hardware:
       for b, style in ((1, "o--"), (2, "s-")):
@@ -124,9 +123,7 @@ def main(argv):
     ax.set_ylabel("decode round (ms), batch 1, 8K context")
     ax.set_title("8.4.3 weight offload with prefetch (simulated)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(FLAGS.output_dir, "offload.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(FLAGS.output_dir, "offload.png"), dpi=110)
 
 
 if __name__ == "__main__":

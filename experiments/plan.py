@@ -19,6 +19,7 @@ from absl import app, flags
 from jaxinfer import costmodel
 from jaxinfer.costmodel import formulas as F
 from jaxinfer.costmodel.select import plot_plane, select
+from jaxinfer.plotting import pyplot, save
 from jaxinfer.runtime import accounting
 
 FLAGS = flags.FLAGS
@@ -81,9 +82,7 @@ def cmd_batch():
                  "round_ms": 1e3 * rm.decode_round(b, L)})
   out = {"context": L, "b_kv": F.b_kv(c.d_w, L, k), "rows": rows}
   if FLAGS.output_dir:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     bs = [r["batch"] for r in rows]
     ax.loglog(bs, [r["bytes_per_output_token"] / 1e6 for r in rows], "o-", label="weights + KV")
@@ -94,10 +93,8 @@ def cmd_batch():
     ax.set_ylabel("MB read per output token")
     ax.set_title(f"{FLAGS.model}, context {L} (8.2.1)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    fig.savefig(os.path.join(FLAGS.output_dir, "plan_batch.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(FLAGS.output_dir, "plan_batch.png"), dpi=110)
   return out
 
 

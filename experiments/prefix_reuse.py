@@ -19,9 +19,10 @@ import os
 
 import numpy as np
 
-from experiments.common import Progress, define_study_flags, write_json
+from experiments.common import Progress, run_binary, write_json
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
+from jaxinfer.plotting import pyplot, save
 
 @dataclasses.dataclass
 class SessionShape:
@@ -142,9 +143,7 @@ def run_study(c, output_dir: str = "") -> dict:
 def plot(results, path: str) -> None:
   """Per executor: the agent session's prompt tokens by where they came from (device hit /
   host hit / recomputed) for each pool and strategy, its mean TTFT on a second axis."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   exs = list(dict.fromkeys(r["executor"] for r in results))
   fig, axes = plt.subplots(1, len(exs), figsize=(7 * len(exs), 4.2), squeeze=False)
   for ax, ex in zip(axes[0], exs):
@@ -169,9 +168,7 @@ def plot(results, path: str) -> None:
     ax2.legend(fontsize=7, loc="upper right")
     ax.set_title({"sim": "simulated Qwen3-8B on RTX PRO 6000",
                   "jax": "SmolLM2 on this CPU (scaled session)"}.get(ex, ex), fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_table(res: dict) -> None:
@@ -184,13 +181,5 @@ def print_table(res: dict) -> None:
           f"{r['mean_ttft_s']:>11.3f}")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  print_table(run_study(_CONFIG.value, flags.FLAGS.output_dir))
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("prefix_reuse")
-  app.run(main)
+  run_binary("prefix_reuse", run_study, print_table)

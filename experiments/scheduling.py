@@ -21,12 +21,12 @@ from typing import Dict, List
 
 import numpy as np
 
-from experiments.common import Progress, define_study_flags, few_buckets, write_json
+from experiments.common import Progress, few_buckets, run_binary, write_json
 from experiments.workloads import load_workload, scale
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams, get_model_config
 from jaxinfer.metrics import request_record, step_records
-from jaxinfer.plotting import plot_timeline
+from jaxinfer.plotting import plot_timeline, pyplot, save
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
 
@@ -173,13 +173,11 @@ def run_study(c, output_dir: str = "") -> Dict:
                                                "budget_sweep": sweep})
     if sweep:
       plot_sweep(sweep, os.path.join(output_dir, "scheduling_budget.png"))
-  return {"policies": summary, "budget_sweep": sweep}
+  return {"config": c.to_dict(), "policies": summary, "budget_sweep": sweep}
 
 
 def plot_sweep(rows: List[Dict], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   exs = list(dict.fromkeys(r["executor"] for r in rows))
   fig, axes = plt.subplots(1, len(exs), figsize=(5.5 * len(exs), 3.8), squeeze=False)
   for ax, ex in zip(axes[0], exs):
@@ -194,12 +192,14 @@ def plot_sweep(rows: List[Dict], path: str) -> None:
                   "jax": "SmolLM2 on this CPU (scaled replay)"}[ex], fontsize=9)
     ax.legend(fontsize=8)
   fig.suptitle("8.2.4: six requests every 80 ms, chunked prefill, budget = chunk", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path)
 
 
 def print_tables(res: Dict) -> None:
+  if res["config"]["json"]:
+    import json
+    print(json.dumps(res, indent=1))
+    return
   for ex, pol in res["policies"].items():
     print(f"[{ex}] {'policy':>11} {'makespan ms':>12} {'max ITL ms':>11}  per request "
           "(TTFT ms / finish ms)")
@@ -215,18 +215,5 @@ def print_tables(res: Dict) -> None:
             f"{r['late_queueing_ms']:>17.1f} {r['late_ttft_ms']:>13.1f} {r['max_itl_ms']:>11.1f}")
 
 
-def main(argv):
-  del argv
-  from absl import flags
-  res = run_study(_CONFIG.value, flags.FLAGS.output_dir)
-  if _CONFIG.value.json:
-    import json
-    print(json.dumps(res, indent=1))
-    return
-  print_tables(res)
-
-
 if __name__ == "__main__":
-  from absl import app
-  _CONFIG = define_study_flags("scheduling")
-  app.run(main)
+  run_binary("scheduling", run_study, print_tables)

@@ -1,16 +1,30 @@
-"""Per-request timelines like the chapter's figures 8-5..8-7 (matplotlib, headless)."""
+"""Figures (matplotlib, headless): per-request timelines like the chapter's figures
+8-5..8-7, and the two helpers every figure of the project starts and ends with."""
 from __future__ import annotations
 
 from typing import Dict, Sequence
+
+
+def pyplot():
+  """matplotlib.pyplot on the headless Agg backend (imported only when plotting)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save(fig, path: str, dpi: int = 120) -> None:
+  """Lay out, write and close a figure."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  pyplot().close(fig)
 
 
 def plot_timeline(requests: Sequence[Dict], steps: Sequence[Dict], path: str,
                   title: str = "") -> None:
   """requests: metrics.request_record dicts; steps: metrics.step_records dicts.
   One row per request: prefill bars, decode bars, an arrival mark and token ticks."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   ids = [r["request_id"] for r in requests]
   row = {rid: i for i, rid in enumerate(ids)}
   fig, ax = plt.subplots(figsize=(10, 0.6 * len(ids) + 1.5))
@@ -39,6 +53,4 @@ def plot_timeline(requests: Sequence[Dict], steps: Sequence[Dict], path: str,
             loc="upper right", fontsize=8)
   if title:
     ax.set_title(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save(fig, path, dpi=110)

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 from jaxinfer.config import get_model_config
 from jaxinfer.costmodel.hardware import load_hardware
 from jaxinfer.costmodel.roofline import ModelCosts, RooflineStepModel, load_calibration
+from jaxinfer.plotting import pyplot, save
 from jaxinfer.runtime.accounting import pages_for
 
 MIB = 2**20
@@ -80,9 +81,7 @@ def select(config_path: Optional[str] = None, *, output_tokens: int = 256,
 def plot_plane(results: List[VariantResult], kv_budget_gib: float, deadline_s: float, path: str,
                chosen: Optional[str] = None) -> None:
   """Figure 8-35: each variant on the memory-vs-time plane, budget and deadline drawn."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for r in results:
     color = "tab:green" if (r.fits_memory and r.meets_deadline) else "tab:red"
@@ -96,6 +95,4 @@ def plot_plane(results: List[VariantResult], kv_budget_gib: float, deadline_s: f
   ax.set_ylabel("KV + extra memory (GiB)")
   ax.set_title(f"configuration selection (chosen: {chosen or 'none'})")
   ax.legend(fontsize=8, loc="lower right")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save(fig, path, dpi=110)
