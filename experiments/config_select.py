@@ -98,22 +98,15 @@ def simulate_variant(v: Dict, sc: Dict, c) -> Dict:
   reqs = [eng.add_request(prefix + rng.integers(100, 100000, L - P).tolist(), sp,
                           arrival_time=t0, deadline_s=sc["deadline_s"])
           for _ in range(sc["num_requests"])]
-  used, peak = 0, 0
+  peak = 0
   for _ in eng.stream():
-    used = eng.pm.num_used
-    peak = max(peak, used)
+    peak = max(peak, eng.pm.num_used)
   done = [r for r in reqs if r.finished_at is not None]
   t_obs = max(r.finished_at for r in done) - t0
   good = sum(r.on_time for r in reqs)
   watts = rm.hw.power_w or 0.0
-  recs = [request_record(r) for r in reqs]
-  for rec in recs:
-    for k in ("arrival_s", "admitted_s", "first_token_s", "finished_s"):
-      if rec[k] is not None:
-        rec[k] -= t0
-    rec["token_times_s"] = [t - t0 for t in rec["token_times_s"]]
-  steps = [dict(s, start=s["start"] - t0, end=s["end"] - t0) for s in step_records(eng.steps)
-           if s["start"] >= t0]
+  recs = [request_record(r, t0) for r in reqs]
+  steps = [s for s in step_records(eng.steps, t0) if s["start"] >= 0]
   spec = speculative.summarize(reqs) if m else {}
   return {
       "name": v["name"], "label": v.get("label", ""), "num_pages": num_pages,

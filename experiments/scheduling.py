@@ -73,16 +73,8 @@ def run_trace(engine, trace, vocab: int, seed: int = 0):
     engine.add_request(ids, SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True),
                        request_id=i, arrival_time=t0 + r["arrival_ms"] / 1e3)
   reqs = engine.run()
-  recs = [request_record(r) for r in reqs]
-  for rec in recs:  # times relative to the trace start
-    for k in ("arrival_s", "admitted_s", "first_token_s", "finished_s"):
-      if rec[k] is not None:
-        rec[k] -= t0
-    rec["token_times_s"] = [t - t0 for t in rec["token_times_s"]]
-  steps = step_records(engine.steps)
-  for s in steps:
-    s["start"] -= t0
-    s["end"] -= t0
+  recs = [request_record(r, t0) for r in reqs]  # times relative to the trace start
+  steps = step_records(engine.steps, t0)
   itls = [x for r in reqs for x in r.itls]
   return {
       "makespan_ms": 1e3 * max(r.finished_at for r in reqs) - 1e3 * t0,
@@ -99,14 +91,17 @@ def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_runn
   return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
 
 
+def replay_of(workload: str, executor: str, c, llm_model):
+  """(trace, token scale, vocabulary): the real model replays the trace scaled down."""
+  trace = load_workload(workload)
+  if executor == "sim":
+    return trace, 1.0, get_model_config(c.sim_model).vocab_size
+  return scale(trace, c.token_scale, c.time_scale), c.token_scale, llm_model.cfg.vocab_size
+
+
 def run_policies(executor: str, c, llm_model, prog) -> Dict:
-  trace = load_workload(c.workload)
-  chunk, budget = c.chunk_size, c.token_budget
-  if executor == "jax":
-    trace = scale(trace, c.token_scale, c.time_scale)
-    chunk, budget = max(1, int(chunk * c.token_scale)), max(1, int(budget * c.token_scale))
-  vocab = get_model_config(c.sim_model).vocab_size if executor == "sim" else \
-      llm_model.cfg.vocab_size
+  trace, f, vocab = replay_of(c.workload, executor, c, llm_model)
+  chunk, budget = max(1, int(c.chunk_size * f)), max(1, int(c.token_budget * f))
   out = {}
   for policy in c.policies:
     eng = make_engine(executor, policy, c, chunk, budget, c.max_running, llm_model, trace)
@@ -125,13 +120,7 @@ def late_queueing_ms(res: Dict) -> float:
 
 
 def run_budget_sweep(executor: str, c, llm_model, prog) -> List[Dict]:
-  trace = load_workload(c.sweep_workload)
-  f = 1.0
-  if executor == "jax":
-    trace = scale(trace, c.token_scale, c.time_scale)
-    f = c.token_scale
-  vocab = get_model_config(c.sim_model).vocab_size if executor == "sim" else \
-      llm_model.cfg.vocab_size
+  trace, f, vocab = replay_of(c.sweep_workload, executor, c, llm_model)
   rows = []
   for b in c.sweep_budgets:
     budget = max(1, int(b * f))

@@ -89,15 +89,19 @@ def summarize(requests: Sequence[Request], steps: Sequence[StepRecord] = (),
   }
 
 
-def request_record(r: Request) -> Dict:
-  return {"request_id": r.request_id, "state": r.state.value, "arrival_s": r.arrival_time,
-          "admitted_s": r.first_admitted_at, "first_token_s": r.token_times[0] if r.token_times else None,
-          "finished_s": r.finished_at, "ttft_s": r.ttft, "max_itl_s": max(r.itls, default=None),
+def request_record(r: Request, t0: float = 0.0) -> Dict:
+  """One request as a JSON-able dict; times (s) relative to t0."""
+  rel = lambda t: None if t is None else t - t0  # noqa: E731
+  return {"request_id": r.request_id, "state": r.state.value, "arrival_s": rel(r.arrival_time),
+          "admitted_s": rel(r.first_admitted_at),
+          "first_token_s": rel(r.token_times[0]) if r.token_times else None,
+          "finished_s": rel(r.finished_at), "ttft_s": r.ttft, "max_itl_s": max(r.itls, default=None),
           "prompt_tokens": len(r.prompt_token_ids), "output_tokens": len(r.output_token_ids),
           "finish_reason": r.finish_reason, "reject_reason": r.reject_reason,
           "preemptions": r.num_preemptions, "recomputed_tokens": r.recomputed_tokens,
-          "cached_tokens": r.cached_tokens, "token_times_s": list(r.token_times)}
+          "cached_tokens": r.cached_tokens, "token_times_s": [t - t0 for t in r.token_times]}
 
 
-def step_records(steps: Sequence[StepRecord]) -> List[Dict]:
-  return [dict(dataclasses.asdict(s), end=s.end) for s in steps]
+def step_records(steps: Sequence[StepRecord], t0: float = 0.0) -> List[Dict]:
+  """Steps as JSON-able dicts; start / end (s) relative to t0."""
+  return [dict(dataclasses.asdict(s), start=s.start - t0, end=s.end - t0) for s in steps]
