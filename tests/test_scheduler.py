@@ -5,7 +5,7 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor, causal_pairs
 from jaxinfer.runtime.engine import Engine, RequestTooLargeError
-from jaxinfer.runtime.request import State
+from jaxinfer.runtime.request import Request, State
 from jaxinfer.runtime.scheduler import SchedulerConfig
 
 BIG = 1 << 20
@@ -157,3 +157,11 @@ def test_admission_never_evicts_the_prefix_it_matched():
   assert r2.state == State.FINISHED and r2.cached_tokens == 16
   assert r2.first_admitted_at >= x.finished_at  # it waited for memory instead
   eng.pm.check_invariants(eng.cache.owned_refs())
+
+
+def test_request_tokens_slices_prompt_and_output_like_the_whole_context():
+  r = Request(0, [1, 2, 3, 4], SamplingParams())
+  r.output_token_ids = [5, 6, 7]
+  for a in range(8):
+    for b in range(a, 8):
+      assert r.tokens(a, b) == r.all_token_ids[a:b]

@@ -199,7 +199,7 @@ class DraftModelDrafter:
         rid = r.request_id
         if j >= lengths[rid]:
           continue
-        tok = drafts[rid][-1] if drafts[rid] else r.all_token_ids[-1]
+        tok = drafts[rid][-1] if drafts[rid] else r.tokens(r.num_tokens - 1, r.num_tokens)[0]
         if not self._extend(rid, [tok]):
           continue
         works.append(SeqWork([tok], len(self._seq[rid]), pm.page_table(rid)))

@@ -78,6 +78,15 @@ class Request:
   def all_token_ids(self) -> List[int]:
     return self.prompt_token_ids + self.output_token_ids
 
+  def tokens(self, start: int, end: int) -> List[int]:
+    """all_token_ids[start:end] without building the whole context (per-step use)."""
+    P = len(self.prompt_token_ids)
+    if start >= P:
+      return self.output_token_ids[start - P:end - P]
+    if end <= P:
+      return self.prompt_token_ids[start:end]
+    return self.prompt_token_ids[start:] + self.output_token_ids[:end - P]
+
   @property
   def num_tokens(self) -> int:
     return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -58,7 +58,7 @@ class ScheduledSeq:
 
   @property
   def token_ids(self) -> List[int]:
-    return self.request.all_token_ids[self.start:self.start + self.num_tokens] + self.draft
+    return self.request.tokens(self.start, self.start + self.num_tokens) + self.draft
 
   @property
   def num_step_tokens(self) -> int:
