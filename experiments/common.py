@@ -13,31 +13,16 @@ def config_path(study: str) -> str:
   return os.path.join(ROOT, "configs", "studies", f"{study}.py")
 
 
-def load_config(study: str, mode: str = ""):
-  """The study's ml-collections config without flags (tests, notebooks)."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(f"config_{study}", config_path(study))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(mode)
-
-
-def define_study_flags(study: str):
-  """--config (this study's file in configs/studies; `path:small` for the CI size; fields
-  overridable as --config.field=value) and --output_dir. Call under __main__ only (absl
-  refuses a flag defined twice, and tests import several studies)."""
-  from absl import flags
-  from ml_collections import config_flags
-  cfg = config_flags.DEFINE_config_file("config", config_path(study),
-                                        f"ml-collections config of the {study} study")
-  flags.DEFINE_string("output_dir", f"out/{study}", "write JSON and PNG figures here")
-  return cfg
-
-
 def run_binary(study: str, run_study, show) -> None:
-  """A study's __main__: --config / --output_dir, then show(run_study(config, output_dir))."""
+  """A study's __main__: --config (its file in configs/studies; `path:small` for the CI
+  size; fields overridable as --config.field=value) and --output_dir, then
+  show(run_study(config, output_dir)). Flags are defined here, under __main__ only:
+  absl refuses a flag defined twice, and the tests import several studies."""
   from absl import app, flags
-  config = define_study_flags(study)
+  from ml_collections import config_flags
+  config = config_flags.DEFINE_config_file("config", config_path(study),
+                                           f"ml-collections config of the {study} study")
+  flags.DEFINE_string("output_dir", f"out/{study}", "write JSON and PNG figures here")
 
   def main(argv):
     del argv

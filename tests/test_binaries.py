@@ -154,3 +154,12 @@ def test_config_select_small(tmp_path):
   assert sims["D"]["peak_kv_mib"] > sims["B"]["peak_kv_mib"] + 3000
   assert 2.5 < sims["D"]["tokens_per_round"] < 3.5
   assert (tmp_path / "config_select_12GiB-256_D.png").exists()
+
+
+def test_study_config_fields_override_from_the_command_line():
+  """--config.field=value reaches the study (sequence fields are tuples: ml-collections
+  cannot override a list from the command line)."""
+  d = json.loads(_run("experiments.scheduling", _config("scheduling", "sim"), "--config.json",
+                      "--config.policies=('chunked',)", "--config.sweep_budgets=(512, 8192)"))
+  assert list(d["policies"]["sim"]) == ["chunked"]
+  assert [r["budget"] for r in d["budget_sweep"]] == [512, 8192]

@@ -7,22 +7,22 @@ import ml_collections
 
 def get_config(mode: str = ""):
   c = ml_collections.ConfigDict()
-  c.executors = ["sim", "jax"]
-  c.strategies = ["append", "rewrite_head", "summarize"]
+  c.executors = ("sim", "jax")
+  c.strategies = ("append", "rewrite_head", "summarize")
   c.rounds = 12  # agent rounds per session
   # sim (Qwen3-8B, RTX PRO 6000): (KV pool GiB, host-tier pages); 6 GiB keeps the
   # session's prefix, 1 GiB loses part of it to the interfering requests.
-  c.sim_pools = [(6.0, 0), (1.0, 0), (1.0, 2000)]
+  c.sim_pools = ((6.0, 0), (1.0, 0), (1.0, 2000))
   # jax (SmolLM2 on this CPU, session scaled by jax_scale): (pool tokens, host pages)
   c.model = "smollm2-135m-instruct"
   c.jax_scale = 1 / 16
-  c.jax_pools = [(4096, 0), (512, 0), (512, 64)]
+  c.jax_pools = ((4096, 0), (512, 0), (512, 64))
   if mode == "small":
-    c.executors = ["jax"]
+    c.executors = ("jax",)
     c.rounds = 3
-    c.strategies = ["append", "rewrite_head"]
+    c.strategies = ("append", "rewrite_head")
     c.jax_scale = 1 / 48
-    c.jax_pools = [(1024, 0)]
+    c.jax_pools = ((1024, 0),)
   elif mode:
     raise ValueError(f"unknown mode {mode!r}: '' or 'small'")
   return c

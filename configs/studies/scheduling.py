@@ -7,17 +7,17 @@ import ml_collections
 
 def get_config(mode: str = ""):
   c = ml_collections.ConfigDict()
-  c.executors = ["sim", "jax"]
+  c.executors = ("sim", "jax")
   c.json = False  # print the results as JSON instead of tables
   # 1. policies on the 8.2.2 trace
   c.workload = "ch8_2_2"  # or a JSON trace path
-  c.policies = ["fixed", "continuous", "chunked"]
+  c.policies = ("fixed", "continuous", "chunked")
   c.max_running = 2
   c.chunk_size = 2048
   c.token_budget = 4096
   # 2. token-budget sweep on the 8.2.4 replay (six requests every 80 ms)
   c.sweep_workload = "ch8_2_4"
-  c.sweep_budgets = [512, 1024, 2048, 4096, 8192]
+  c.sweep_budgets = (512, 1024, 2048, 4096, 8192)
   c.sweep_max_running = 8
   # simulator
   c.sim_model = "qwen3-8b"
@@ -28,10 +28,10 @@ def get_config(mode: str = ""):
   c.token_scale = 1 / 16
   c.time_scale = 2.0
   if mode == "sim":
-    c.executors = ["sim"]
+    c.executors = ("sim",)
   elif mode == "small":
-    c.policies = ["continuous", "chunked"]
-    c.sweep_budgets = [512, 8192]
+    c.policies = ("continuous", "chunked")
+    c.sweep_budgets = (512, 8192)
     c.token_scale = 1 / 32
   elif mode:
     raise ValueError(f"unknown mode {mode!r}: '', 'sim' or 'small'")
