@@ -156,10 +156,11 @@ def test_config_select_small(tmp_path):
   assert (tmp_path / "config_select_12GiB-256_D.png").exists()
 
 
-def test_study_config_fields_override_from_the_command_line():
+def test_study_config_fields_override_from_the_command_line(tmp_path):
   """--config.field=value reaches the study (sequence fields are tuples: ml-collections
   cannot override a list from the command line)."""
   d = json.loads(_run("experiments.scheduling", _config("scheduling", "sim"), "--config.json",
-                      "--config.policies=('chunked',)", "--config.sweep_budgets=(512, 8192)"))
+                      "--config.policies=('chunked',)", "--config.sweep_budgets=(512, 8192)",
+                      f"--output_dir={tmp_path}"))
   assert list(d["policies"]["sim"]) == ["chunked"]
   assert [r["budget"] for r in d["budget_sweep"]] == [512, 8192]
