@@ -1,23 +1,26 @@
 """The model's one attention entry point: ragged paged attention over the KV pool.
 
-Backends: "reference" (jnp; the CPU path) and "pallas" (pallas_kernels; interpret mode
-on CPU, compiled on GPU). Both take the same arguments.
+Backends, all with the same arguments:
+  "xla"        XLA ops laid out for XLA:CPU (decode slots specialised, pages gathered in
+               blocks with an online softmax); the default on CPU.
+  "reference"  the plain jnp oracle every other backend is tested against.
+  "pallas"     pallas_kernels (compiled on GPU; interpret mode on CPU).
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Union
 
 from pallas_kernels import kv_codec
-from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import reference, xla
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("xla", "reference", "pallas")
 
 
 class AttentionSpec(NamedTuple):
   """What the model's attention runs: the backend and Q's precision against a quantized
   KV pool (8.4.4: "native" keeps Q in the compute dtype; "kv" rounds Q through the KV
   format's compute path). Hashable, so it is a static argument of the jitted step."""
-  backend: str = "reference"
+  backend: str = "xla"
   q_precision: str = "native"
 
 
@@ -37,7 +40,7 @@ def check_backend(name: Union[str, AttentionSpec],
 
 
 def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
-                    backend: Union[str, AttentionSpec] = "reference"):
+                    backend: Union[str, AttentionSpec] = "xla"):
   """q [T, N, H], k_new/v_new [T, K, H] -> [T, N, H] float32.
 
   batch: the step's metadata (page_table [R, Pmax], query_start / query_len /
@@ -49,6 +52,10 @@ def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
   spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
   args = (q, k_new, v_new, pool, layer, batch["page_table"], batch["query_start"],
           batch["query_len"], batch["cached_len"])
+  if spec.backend == "xla":
+    return xla.ragged_paged_attention(*args, max_query_len=max_query_len,
+                                      num_prefill_slots=prefill_slots,
+                                      q_precision=spec.q_precision)
   if spec.backend == "reference":
     return reference.ragged_paged_attention(*args, max_query_len=max_query_len,
                                             num_prefill_slots=prefill_slots,

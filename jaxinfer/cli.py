@@ -25,7 +25,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_string("kv_format", "f32", "KV cache format: f32, bf16, fp8, q8_0, q4_0")
 flags.DEFINE_enum("q_precision", "native", ["native", "kv"],
                   "Q against a quantized KV pool: compute dtype, or rounded like the KV (8.4.4)")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"], "attention backend")
+flags.DEFINE_enum("attention", "xla", ["xla", "reference", "pallas"],
+                  "attention backend: xla (XLA ops laid out for CPU), reference (the jnp "
+                  "oracle), pallas (GPU kernels)")
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 flags.DEFINE_integer("num_pages", 1024, "KV pool size in pages")
 flags.DEFINE_bool("json", False, "print one JSON object per prompt")

@@ -65,7 +65,7 @@ class LLM:
 
   def __init__(self, model="smollm2-135m-instruct", *, dtype: str = "float32",
                kv_format: str = "f32", page_size: int = 16, num_pages: int = 1024,
-               max_model_len: Optional[int] = None, attention: str = "reference",
+               max_model_len: Optional[int] = None, attention: str = "xla",
                buckets: Optional[BucketTable] = None, scan_layers: bool = True,
                scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
                speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,

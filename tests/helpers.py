@@ -14,7 +14,8 @@ def full_logits(cfg, params, ids, kv_format="f32"):
   page_size = 16
   pages = -(-n // page_size)
   table = BucketTable(token_sizes=(max(n, 1),), request_sizes=(1,), page_sizes=(pages,))
-  ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format)
+  ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format,
+                   backend="reference")  # the oracle runs the plain jnp attention
   step = pack([SeqWork(ids, 0, list(range(pages)))], table, page_size, pages)
   step = _all_positions(step, n)
   _, logits = ex.run(step, return_logits=True)

@@ -57,15 +57,15 @@ def test_kv_pool_too_small_is_an_error(smollm2):
 
 
 @pytest.mark.slow
-def test_pallas_backend_greedy_equals_reference(smollm2):
-  """--attention=pallas (interpret mode on CPU) gives the reference's greedy tokens."""
+def test_backends_greedy_equal_reference(smollm2):
+  """--attention=pallas (interpret mode on CPU) and xla give the reference's greedy tokens."""
   table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_sizes=(4,))
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   outs = {}
-  for backend in ("reference", "pallas"):
+  for backend in ("reference", "pallas", "xla"):
     llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, attention=backend)
     outs[backend] = llm.generate(["The capital of France is"], sp)[0].token_ids
-  assert outs["pallas"] == outs["reference"]
+  assert outs["pallas"] == outs["reference"] == outs["xla"]
 
 
 @pytest.mark.parametrize("buffers", [1, 2])

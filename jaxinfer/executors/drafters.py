@@ -106,7 +106,7 @@ class DraftModelDrafter:
   name = "draft_model"
 
   def __init__(self, loaded, *, num_pages: int, page_size: int = 16,
-               kv_format: str = "f32", backend: str = "reference"):
+               kv_format: str = "f32", backend: str = "xla"):
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.runtime.pages import PageManager
     self.cfg = loaded.cfg

@@ -23,7 +23,7 @@ class JaxExecutor:
   virtual_clock = False
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
-               kv_format: str = "f32", backend: str = "reference", offload=None,
+               kv_format: str = "f32", backend: str = "xla", offload=None,
                q_precision: str = "native"):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are

@@ -25,7 +25,7 @@ def _layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
 
 
 def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
-                  backend: str = "reference", num_layers: int | None = None):
+                  backend: str = "xla", num_layers: int | None = None):
   """Final-normed hidden states [T, D] and the step's K/V [L', T, K, H] of the layers run.
 
   num_layers: run only the first layers (early-exit drafting); default all.
@@ -74,7 +74,7 @@ def lm_head(params, x):
 
 
 def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
-            backend: str = "reference"):
+            backend: str = "xla"):
   """Returns (logits [S, V] f32 at batch["logits_idx"], pool with the step's K/V written)."""
   x, ks, vs = hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                             backend=backend)

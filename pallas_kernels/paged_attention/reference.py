@@ -19,7 +19,7 @@ from pallas_kernels import kv_codec
 _NEG = -1e30
 
 
-def _attend(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
+def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
             scale):
   """Attention for a group of request slots that each hold up to Q new tokens.
   Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
@@ -81,6 +81,6 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   for sl, Q in groups:
     if sl.stop - sl.start == 0:
       continue
-    o, flat = _attend(q, k_new, v_new, pool, layer, *(a[sl] for a in args), Q, scale)
+    o, flat = attend_group(q, k_new, v_new, pool, layer, *(a[sl] for a in args), Q, scale)
     out = out.at[flat].set(o, mode="drop")
   return out

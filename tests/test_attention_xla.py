@@ -1,0 +1,52 @@
+"""The XLA:CPU attention backend (pallas_kernels/paged_attention/xla.py) against the jnp
+reference, on NaN-poisoned pools: every KV format, GQA ratios, page sizes, decode-only and
+mixed steps, contexts spanning many page blocks, padding slots, Q precision."""
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import reference, xla
+from test_pallas_attention import FORMATS, MIXES, make_case
+
+LONG = [[(300, 1), (0, 1), (129, 1), (64, 1)],  # many blocks; lengths on block edges
+        [(200, 1), (31, 1), (50, 20)]]
+
+
+def _check(args, reqs, block_pages, q_precision="native"):
+  n_pre = sum(n > 1 for _, n in reqs)
+  Q = max(n for _, n in reqs)
+  ref = reference.ragged_paged_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
+                                         q_precision=q_precision)
+  out = jax.jit(lambda *a: xla.ragged_paged_attention(
+      *a, max_query_len=Q, num_prefill_slots=n_pre, q_precision=q_precision,
+      block_pages=block_pages))(*args)
+  ref, out = np.asarray(ref), np.asarray(out)
+  assert np.isfinite(out).all(), "a stale NaN page leaked into the output"
+  err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert err < 1e-5, (reqs, block_pages, err)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_xla_matches_reference(fmt):
+  """A mixed step (decodes + prefill chunks) whose decodes span many page blocks."""
+  rng = np.random.default_rng()
+  reqs = LONG[1]
+  _check(make_case(rng, fmt, 8, 9, 3, 64, reqs), reqs, block_pages=2)
+
+
+@pytest.mark.parametrize("page_size,block_pages,heads,kv_heads",
+                         [(16, 1, 4, 4), (16, 3, 8, 1), (64, 8, 9, 3)])
+def test_block_sizes_and_page_sizes(page_size, block_pages, heads, kv_heads):
+  """Block counts that do not divide the page table, one-page blocks, one block for all;
+  MHA, GQA 8:1 and 3:1."""
+  rng = np.random.default_rng()
+  for reqs in LONG[:1] + MIXES[:1]:
+    _check(make_case(rng, "f32", page_size, heads, kv_heads, 64, reqs), reqs, block_pages)
+
+
+def test_padding_slots_and_q_precision():
+  rng = np.random.default_rng()
+  reqs = [(40, 1), (0, 0), (17, 1), (0, 0)]  # query_len 0: padding slots in the bucket
+  args = make_case(rng, "q8_0", 16, 9, 3, 64, reqs)
+  for qp in ("native", "kv"):
+    _check(args, [r for r in reqs if r[1]], 2, qp)
