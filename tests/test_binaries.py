@@ -164,3 +164,23 @@ def test_study_config_fields_override_from_the_command_line(tmp_path):
                       f"--output_dir={tmp_path}"))
   assert list(d["policies"]["sim"]) == ["chunked"]
   assert [r["budget"] for r in d["budget_sweep"]] == [512, 8192]
+
+
+def test_bench_decode_small(tmp_path):
+  """tools/bench_decode.py end to end at a tiny size: strict JSON with a floor beside each
+  figure, and a combination over the pool cap listed as skipped, not silently dropped."""
+  out = subprocess.run(
+      [sys.executable, "tools/bench_decode.py", "--batch_sizes=1,2", "--contexts=16",
+       "--prefill_lens=16", "--repeats=1", "--hf=false", "--max_pool_gib=0.002",
+       f"--output_dir={tmp_path}"], capture_output=True, text=True, check=True,
+      timeout=600, cwd=ROOT).stdout
+  d = json.loads((tmp_path / "bench_decode.json").read_text(),
+                 parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+  assert [(r["batch"], r["context"]) for r in d["decode"]] == [(1, 16)]
+  assert d["skipped"] == [s for s in d["skipped"] if "batch 2 context 16" in s] != []
+  r = d["decode"][0]
+  # The step reads at least the weights: it cannot beat the measured bandwidth floor by
+  # much (20% allowed for the bandwidth probe's own noise).
+  assert r["step_ms"] > 0.8 * r["bandwidth_floor_ms"] > 0
+  assert "skipped (--max_pool_gib" in out
+  assert (tmp_path / "bench_decode.png").stat().st_size > 5_000

@@ -1,105 +1,213 @@
-"""Decode throughput on this CPU: jaxinfer vs HF transformers `generate`, same weights
-and dtype, in the same run, against the memory-bandwidth floor.
+"""Steady-state decode and prefill steps on this machine: jaxinfer vs HF transformers
+in the same run, each figure beside this machine's bandwidth and compute floors.
 
-  python tools/bench_decode.py --batch_sizes=1,16 --prompt_len=128 --new_tokens=64
+  python tools/bench_decode.py --batch_sizes=1,16,64 --contexts=256,1024,4096
 
-The floor of one decode step is (weight bytes + the batch's KV bytes) / the read
-bandwidth measured here (tools/measure_hardware.py's method). HF is skipped with a
-message when torch/transformers are not installed (`pip install -e '.[test]'`).
+Decode: one step in which every request decodes one token after `context` cached
+tokens and nothing prefills (jaxinfer: a step packed at exactly that shape, median of
+--repeats; HF: the model's forward of one token per request on a DynamicCache holding
+`context` tokens, median of --repeats consecutive steps). Prefill: one request of each
+--prefill_lens tokens, no cache.
+
+Floors of a step, from measurements made in the same run:
+  bandwidth floor = (weight bytes read + the step's KV bytes) / measured read bandwidth
+  compute floor   = the step's FLOPs / measured f32 matmul FLOP/s at the step's shapes
+Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import time
 
 from absl import app, flags
 import numpy as np
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "model name or GGUF path")
-flags.DEFINE_list("batch_sizes", ["1", "16"], "batch sizes")
-flags.DEFINE_integer("prompt_len", 128, "prompt tokens per request")
-flags.DEFINE_integer("new_tokens", 64, "tokens generated per request")
-flags.DEFINE_bool("hf", True, "also run HF transformers generate (if installed)")
-flags.DEFINE_string("output_dir", "", "write bench_decode.json here")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "decode batch sizes")
+flags.DEFINE_list("contexts", ["256", "1024", "4096"], "cached tokens per request")
+flags.DEFINE_list("prefill_lens", ["128", "512"], "prompt lengths of the prefill rows")
+flags.DEFINE_list("kv_formats", ["f32"], "KV formats to run the decode grid in")
+flags.DEFINE_enum("attention", "xla", ["xla", "reference", "pallas"], "attention backend")
+flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
+flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
+flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
+flags.DEFINE_string("output_dir", "", "write bench_decode.json and bench_decode.png here")
 
 
-def _prompts(vocab, B, L, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(100, vocab - 100, L).tolist() for _ in range(B)]
+def hf_model(path):
+  import importlib.util
+  if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+    print("HF peer skipped: torch/transformers not installed (pip install -e '.[test]')",
+          file=sys.stderr)
+    return None
+  import torch
+  from transformers import AutoModelForCausalLM
+  d, f = os.path.split(path)
+  return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
-def bench_jax(llm, B, L, N):
-  from jaxinfer.config import SamplingParams
-  sp = SamplingParams(max_tokens=N, ignore_eos=True)
-  llm.generate(_prompts(llm.cfg.vocab_size, B, L, 1), sp)  # compile every bucket used
-  outs = llm.generate(_prompts(llm.cfg.vocab_size, B, L), sp)
-  t_first = max(o.token_times[0] for o in outs)
-  t_last = max(o.token_times[-1] for o in outs)
-  steps = np.diff(outs[0].token_times)
-  return {"decode_tok_s": B * (N - 1) / (t_last - t_first), "step_ms": 1e3 * float(np.median(steps)),
-          "ttft_s": t_first}
+def hf_decode_step(model, cfg, batch, context, repeats):
+  """Median seconds of HF's decode forward (one token per request, growing cache)."""
+  import torch
+  from transformers import DynamicCache
+  g = torch.Generator().manual_seed(0)
+  K, H = cfg.num_kv_heads, cfg.head_dim
+  cache = DynamicCache(config=model.config)
+  for layer in range(cfg.num_layers):
+    cache.update(torch.randn(batch, K, context, H, generator=g),
+                 torch.randn(batch, K, context, H, generator=g), layer)
+  ids = torch.full((batch, 1), 7)
+  ts = []
+  with torch.no_grad():
+    for i in range(repeats + 1):
+      pos = context + i
+      t = time.perf_counter()
+      model(input_ids=ids, past_key_values=cache, use_cache=True,
+            attention_mask=torch.ones(batch, pos + 1, dtype=torch.long),
+            position_ids=torch.full((batch, 1), pos))
+      ts.append(time.perf_counter() - t)
+  return float(np.median(ts[1:]))
 
 
-def bench_hf(path, B, L, N, vocab):
-  from experiments.peers import hf_generate
-  return hf_generate(path, _prompts(vocab, B, L), N)
+def hf_prefill(model, n, repeats):
+  import torch
+  ids = torch.full((1, n), 7)
+  ts = []
+  with torch.no_grad():
+    for _ in range(repeats + 1):
+      t = time.perf_counter()
+      model(input_ids=ids, use_cache=True)
+      ts.append(time.perf_counter() - t)
+  return float(np.median(ts[1:]))
+
+
+def _fmt(x, spec=".1f"):
+  return "-" if x is None else format(x, spec)
 
 
 def main(argv):
   del argv
-  here = os.path.dirname(os.path.abspath(__file__))
-  sys.path.insert(0, here)
-  sys.path.insert(0, os.path.dirname(here))
-  from measure_hardware import measure_read_bandwidth
-  from jaxinfer.buckets import BucketTable
+  from jaxinfer import benchmarking as bm
+  from jaxinfer.costmodel import ModelCosts
+  from jaxinfer.executors.jax_executor import JaxExecutor
   from jaxinfer.kv import bytes_per_token
-  from jaxinfer.llm import LLM
-  batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-  L, N = FLAGS.prompt_len, FLAGS.new_tokens
-  bw = measure_read_bandwidth(512, 5)
-  page_size = 16
-  pages_per_req = -(-(L + N) // page_size)
-  llm = LLM(FLAGS.model, num_pages=max(batch_sizes) * pages_per_req + 8,
-            buckets=BucketTable.default(max_tokens=256, max_requests=max(batch_sizes),
-                                        max_pages=pages_per_req))
-  cfg = llm.cfg
-  w_bytes = cfg.weight_bytes_read_per_step(4)  # f32
-  kv_tok = bytes_per_token(cfg, "f32", page_size)
-  has_hf = FLAGS.hf
-  if has_hf:
-    import importlib.util
-    has_hf = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-    if not has_hf:
-      print("HF transformers/torch not installed: skipping the HF peer", file=sys.stderr)
-  rows = []
-  for B in batch_sizes:
-    ctx = L + N // 2  # mean context over the decode
-    floor_ms = 1e3 * (w_bytes + B * ctx * kv_tok) / bw
-    r = {"batch": B, "floor_step_ms": floor_ms, "floor_tok_s": B / floor_ms * 1e3}
-    r["jax"] = bench_jax(llm, B, L, N)
-    r["jax_step_over_floor"] = r["jax"]["step_ms"] / floor_ms
-    hf = bench_hf(llm.model.source, B, L, N, cfg.vocab_size) if has_hf else None
-    if hf:
-      r["hf"] = hf
-      r["jax_over_hf_tok_s"] = r["jax"]["decode_tok_s"] / hf["decode_tok_s"]
-    rows.append(r)
-    print(f"batch {B}: done", file=sys.stderr)
-  print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {w_bytes / 1e6:.0f} MB (f32); "
-        f"prompt {L}, new tokens {N}")
-  print(f"{'batch':>5} {'floor ms':>9} {'jax ms':>8} {'x floor':>8} {'jax tok/s':>10} "
-        f"{'hf ms':>8} {'hf tok/s':>9} {'jax/hf':>7}")
+  from jaxinfer.loading import load_model
+
+  batches = [int(b) for b in FLAGS.batch_sizes]
+  contexts = [int(c) for c in FLAGS.contexts]
+  ps = 16
+  m = load_model(FLAGS.model)
+  cfg = m.cfg
+  bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
+  peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
+  print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
+        f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
+        f"{FLAGS.attention}", flush=True)
+  hf = hf_model(m.source) if FLAGS.hf else None
+  rates = {}
+
+  def rate(rows, lm_rows):
+    if (rows, lm_rows) not in rates:
+      rates[rows, lm_rows] = bm.step_matmul_rate(cfg, rows, lm_rows, FLAGS.repeats)
+    return rates[rows, lm_rows]
+
+  rows, skipped = [], []
+  for kv_format in FLAGS.kv_formats:
+    costs = ModelCosts(cfg, 4.0, kv_format, ps)
+    kv_tok = bytes_per_token(cfg, kv_format, ps)
+    for ctx in contexts:
+      for B in batches:
+        pool_gib = B * (ctx + 1 + ps) * kv_tok / 2**30
+        if pool_gib > FLAGS.max_pool_gib:
+          skipped.append(f"{kv_format} batch {B} context {ctx}: pool {pool_gib:.1f} GiB")
+          continue
+        step, num_pages = bm.uniform_step(B, ctx, 1, ps)
+        ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
+                         kv_format=kv_format, backend=FLAGS.attention)
+        t = bm.time_step(ex, step, FLAGS.repeats)
+        del ex
+        seqs = [(1, ctx)] * B
+        bw_floor = costs.step_bytes(seqs) / bw
+        c_floor = costs.step_flops(seqs) / rate(B, B)
+        r = {"kv_format": kv_format, "batch": B, "context": ctx, "step_ms": 1e3 * t,
+             "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
+             "compute_floor_ms": 1e3 * c_floor,
+             "over_floor": t / max(bw_floor, c_floor), "hf_step_ms": None, "over_hf": None}
+        if hf is not None and kv_format == "f32":
+          th = hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
+          r.update(hf_step_ms=1e3 * th, over_hf=th / t)
+        rows.append(r)
+        print(f"decode {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
+              f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
+              file=sys.stderr, flush=True)
+
+  pre = []
+  costs = ModelCosts(cfg, 4.0, "f32", ps)
+  for n in (int(x) for x in FLAGS.prefill_lens):
+    step, num_pages = bm.uniform_step(1, 0, n, ps)
+    ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=FLAGS.attention)
+    t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
+    del ex
+    flops = costs.step_flops([(n, 0)])
+    r = {"tokens": n, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
+         "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
+         "compute_floor_ms": 1e3 * flops / rate(n, 1), "hf_ms": None, "over_hf": None}
+    if hf is not None:
+      th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2))
+      r.update(hf_ms=1e3 * th, over_hf=th / t)
+    pre.append(r)
+
+  print(f"\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
+        f"'x HF' = HF step / ours")
+  print(f"{'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} {'bw floor':>9} "
+        f"{'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6}")
   for r in rows:
-    hf = r.get("hf", {})
-    print(f"{r['batch']:>5} {r['floor_step_ms']:>9.1f} {r['jax']['step_ms']:>8.1f} "
-          f"{r['jax_step_over_floor']:>8.2f} {r['jax']['decode_tok_s']:>10.1f} "
-          f"{hf.get('step_ms', float('nan')):>8.1f} {hf.get('decode_tok_s', float('nan')):>9.1f} "
-          f"{r.get('jax_over_hf_tok_s', float('nan')):>7.2f}")
+    print(f"{r['kv_format']:>5} {r['batch']:>5} {r['context']:>5} {r['step_ms']:>9.1f} "
+          f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
+          f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
+  for s in skipped:
+    print(f"skipped (--max_pool_gib={FLAGS.max_pool_gib:g}): {s}")
+  print(f"\nprefill, one request (ms)")
+  print(f"{'tokens':>6} {'jaxinfer':>9} {'GFLOP/s':>8} {'of matmul rate':>14} {'cmp floor':>9} "
+        f"{'HF':>8} {'x HF':>6}")
+  for r in pre:
+    print(f"{r['tokens']:>6} {r['ms']:>9.1f} {r['gflop_s']:>8.1f} {r['of_step_matmul_rate']:>14.2f} "
+          f"{r['compute_floor_ms']:>9.1f} {_fmt(r['hf_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
+
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
+    out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9,
+           "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:
-      json.dump({"bandwidth_gbs": bw / 1e9, "rows": rows}, f, indent=1)
+      json.dump(out, f, indent=1, allow_nan=False)
+    _figure(rows, os.path.join(FLAGS.output_dir, "bench_decode.png"))
+
+
+def _figure(rows, path):
+  from jaxinfer.plotting import pyplot, save
+  plt = pyplot()
+  ctxs = sorted({r["context"] for r in rows if r["kv_format"] == "f32"})
+  fig, axes = plt.subplots(1, max(len(ctxs), 1), figsize=(4.5 * max(len(ctxs), 1), 3.6),
+                           squeeze=False)
+  for ax, ctx in zip(axes[0], ctxs):
+    rs = [r for r in rows if r["context"] == ctx and r["kv_format"] == "f32"]
+    b = [r["batch"] for r in rs]
+    ax.plot(b, [r["step_ms"] for r in rs], "o-", label="jaxinfer")
+    if any(r["hf_step_ms"] for r in rs):
+      ax.plot(b, [r["hf_step_ms"] for r in rs], "s-", label="HF transformers")
+    ax.plot(b, [max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) for r in rs], "k--",
+            label="max(floors)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"decode step, context {ctx}")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+  save(fig, path)
 
 
 if __name__ == "__main__":

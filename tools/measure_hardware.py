@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import benchmarking as bm
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output", "", "write the profile JSON here (default: print only)")
 flags.DEFINE_integer("read_mib", 1024, "array size for the read-bandwidth test")
@@ -28,40 +30,10 @@ flags.DEFINE_list("batches", ["1", "4", "16"], "calibration batch sizes")
 flags.DEFINE_integer("context", 512, "calibration decode context")
 
 
-def _median_time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
-
-
-def measure_read_bandwidth(mib: int, repeats: int) -> float:
-  """Best bytes/s over two read-once patterns: a full reduction, and a vector-matrix
-  product x[1, D] @ W[D, n] (a decode step's weight read). The floor of a step is its
-  bytes over the best rate this machine shows."""
-  n = mib * 2**20 // 4
-  x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
-  t_sum = _median_time(jax.jit(lambda a: jnp.sum(a)), x, repeats=repeats)
-  w = x.reshape(512, n // 512)
-  v = jnp.ones((1, 512), jnp.float32)
-  t_mv = _median_time(jax.jit(lambda a, b: a @ b), v, w, repeats=repeats)
-  return n * 4 / min(t_sum, t_mv)
-
-
-def measure_matmul_flops(n: int, repeats: int, dtype=jnp.float32) -> float:
-  a = jnp.ones((n, n), dtype)
-  b = jnp.ones((n, n), dtype)
-  t = _median_time(jax.jit(lambda x, y: x @ y), a, b, repeats=repeats)
-  return 2 * n**3 / t
-
-
 def measure(read_mib=1024, matmul_n=2048, repeats=10) -> dict:
-  bw = measure_read_bandwidth(read_mib, repeats)
-  f32 = measure_matmul_flops(matmul_n, repeats)
-  bf16 = measure_matmul_flops(matmul_n, max(3, repeats // 3), jnp.bfloat16)
+  bw = bm.measure_read_bandwidth(read_mib, repeats)
+  f32 = bm.measure_matmul_flops(matmul_n, repeats)
+  bf16 = bm.measure_matmul_flops(matmul_n, max(3, repeats // 3), jnp.bfloat16)
   return {"name": "local-cpu", "compute_dtype": "float32", "memory_bandwidth_gbs": bw / 1e9,
           "peak_tflops_f32": f32 / 1e12, "peak_tflops_bf16": bf16 / 1e12,
           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -71,24 +43,10 @@ def measure(read_mib=1024, matmul_n=2048, repeats=10) -> dict:
 def _step_times(llm_model, batch, context, new_tokens, repeats):
   """Median time of one step of `batch` requests, each running `new_tokens` tokens on
   `context` cached tokens (decode: new_tokens = 1)."""
-  from jaxinfer.buckets import BucketTable
   from jaxinfer.executors.jax_executor import JaxExecutor
-  from jaxinfer.runtime.batcher import SeqWork, pack
-  ps = 16
-  pages = -(-(context + new_tokens) // ps)
-  table = BucketTable(token_sizes=(batch * new_tokens,), request_sizes=(batch,),
-                      page_sizes=(pages,), query_sizes=(new_tokens,))
-  ex = JaxExecutor(llm_model.cfg, llm_model.params, num_pages=batch * pages, page_size=ps)
-  works = [SeqWork([7] * new_tokens, context, list(range(i * pages, (i + 1) * pages)))
-           for i in range(batch)]
-  step = pack(works, table, ps, batch * pages)
-  ex.run(step)
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    ex.run(step)
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
+  step, num_pages = bm.uniform_step(batch, context, new_tokens)
+  ex = JaxExecutor(llm_model.cfg, llm_model.params, num_pages=num_pages, page_size=16)
+  return bm.time_step(ex, step, repeats)
 
 
 def calibrate(prof, batches, context, repeats):

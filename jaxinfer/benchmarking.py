@@ -1,0 +1,102 @@
+"""Measuring this machine and one fixed-shape model step: the floors every benchmark
+prints beside its figures, and the one helper that builds a step of a given shape.
+
+- read bandwidth (bytes/s): the best of a full reduction and a vector-matrix product;
+- matmul FLOP/s: square f32 products, and the weight matmuls of a step at its own
+  shapes (M = the step's tokens), which is what bounds a batched decode step;
+- `uniform_step`: `batch` requests, each running `new_tokens` tokens after `context`
+  cached ones, packed at exactly that shape (decode: new_tokens = 1). The KV values are
+  whatever the pool holds: a step's time does not depend on them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import ModelConfig
+from jaxinfer.runtime.batcher import SeqWork, StepInput, pack
+from jaxinfer.runtime.accounting import pages_for
+
+
+def median_time(fn: Callable, *args, repeats: int = 5) -> float:
+  """Median seconds of fn(*args) after one untimed call (compilation, first touch)."""
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def measure_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+  """Best bytes/s over two read-once patterns: a full reduction, and a vector-matrix
+  product x[1, D] @ W[D, n] (a decode step's weight read)."""
+  n = mib * 2**20 // 4
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
+  t_sum = median_time(jax.jit(jnp.sum), x, repeats=repeats)
+  w = x.reshape(512, n // 512)
+  v = jnp.ones((1, 512), jnp.float32)
+  t_mv = median_time(jax.jit(lambda a, b: a @ b), v, w, repeats=repeats)
+  return n * 4 / min(t_sum, t_mv)
+
+
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+  a = jnp.ones((n, n), dtype)
+  b = jnp.ones((n, n), dtype)
+  return 2 * n**3 / median_time(jax.jit(lambda x, y: x @ y), a, b, repeats=repeats)
+
+
+def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
+  """(in, out, count) of every weight matmul one step runs per token row: the layers'
+  q, k, v, o, gate, up, down and the LM head (count = how many layers have it)."""
+  D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+  NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return ((D, NH, L), (D, KH, 2 * L), (NH, D, L), (D, F, 2 * L), (F, D, L),
+          (D, cfg.vocab_size, 1))
+
+
+def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
+                     repeats: int = 5) -> float:
+  """FLOP/s of XLA's f32 matmuls at a step's own shapes: `rows` token rows through each
+  layer matmul, `lm_rows` (default rows) through the LM head. The compute floor of a
+  step is its FLOPs over this rate."""
+  lm_rows = rows if lm_rows is None else lm_rows
+  rng = np.random.default_rng(0)
+  flops = secs = 0.0
+  for d_in, d_out, count in weight_matmul_shapes(cfg):
+    m = lm_rows if d_out == cfg.vocab_size else rows
+    x = jnp.asarray(rng.standard_normal((m, d_in), np.float32))
+    w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32))
+    t = median_time(jax.jit(lambda a, b: a @ b), x, w, repeats=repeats)
+    flops += 2 * m * d_in * d_out * count
+    secs += t * count
+  return flops / secs
+
+
+def uniform_step(batch: int, context: int, new_tokens: int = 1, page_size: int = 16,
+                 token_ids: int = 7) -> Tuple[StepInput, int]:
+  """A step of `batch` requests with `new_tokens` each after `context` cached tokens,
+  packed at exactly its own shape. Returns (step, pages the pool needs)."""
+  pages = pages_for(context + new_tokens, page_size)
+  table = BucketTable(token_sizes=(batch * new_tokens,), request_sizes=(batch,),
+                      page_sizes=(pages,), query_sizes=(new_tokens,))
+  works = [SeqWork([token_ids] * new_tokens, context, list(range(i * pages, (i + 1) * pages)))
+           for i in range(batch)]
+  return pack(works, table, page_size, batch * pages), batch * pages
+
+
+def time_step(executor, step: StepInput, repeats: int = 5) -> float:
+  """Median seconds of one executor step (launch to result on the host)."""
+  executor.execute(step)
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    executor.execute(step)
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
