@@ -6,6 +6,8 @@ is hashable so a config can be a static argument of a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional, Tuple
 
 
@@ -108,6 +110,24 @@ def get_model_config(name: str) -> ModelConfig:
         f"unknown model {name!r}; known models: {sorted(MODEL_CONFIGS)}") from None
 
 
+INT32_MAX = 2**31 - 1  # token ids, top_k and lengths travel to the device as int32
+
+
+def _check_int(name: str, v, lo: int, hi: int) -> None:
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+    raise ValueError(f"{name} must be an integer, got {v!r}")
+  if not lo <= v <= hi:
+    raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+def _check_real(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+  if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    raise ValueError(f"{name} must be a number, got {v!r}")
+  if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+    lo_b = "(" if lo_open else "["
+    raise ValueError(f"{name} must be a finite number in {lo_b}{lo}, {hi}], got {v}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Per-request sampling parameters (travel to the device as arrays)."""
@@ -121,13 +141,27 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.max_tokens < 1:
-      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-    object.__setattr__(self, "stop", tuple(self.stop))
+    """Every field checked for type and range before anything uses it; the error names
+    the field, the value and the limit. Seeds: any integer in [-2**63, 2**64); the
+    request's random stream is keyed by the seed's low 32 bits (seed mod 2**32)."""
+    _check_real("temperature", self.temperature, lo=0.0)
+    _check_int("top_k", self.top_k, 0, INT32_MAX)
+    _check_real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+    if self.seed is not None:
+      _check_int("seed", self.seed, -2**63, 2**64 - 1)
+    _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+    ids = self.stop_token_ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+      raise ValueError(f"stop_token_ids must be a sequence of token ids, got {ids!r}")
+    for i in ids:
+      _check_int("stop_token_ids[]", i, 0, INT32_MAX)
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string = one stop
+    if not hasattr(stop, "__iter__"):
+      raise ValueError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    for x in stop:
+      if not isinstance(x, str) or not x:
+        raise ValueError(f"stop strings must be non-empty str, got {x!r}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+    object.__setattr__(self, "stop", tuple(stop))

@@ -61,6 +61,32 @@ def test_bad_sampling_params():
     SamplingParams(max_tokens=0)
 
 
+@pytest.mark.parametrize("kw,words", [
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(seed=2**64), "seed must be in"),
+    (dict(top_k=2**40), "top_k must be in [0, 2147483647], got 1099511627776"),
+    (dict(top_k=True), "top_k must be an integer"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=float("inf")), "top_p must be a finite number in (0.0, 1.0]"),
+    (dict(max_tokens=2**31), "max_tokens must be in [1, 2147483647]"),
+    (dict(stop=("",)), "stop strings must be non-empty"),
+    (dict(stop=("ok", 3)), "got 3"),
+    (dict(stop_token_ids=(-1,)), "stop_token_ids[] must be in [0, 2147483647], got -1"),
+    (dict(ignore_eos="yes"), "ignore_eos must be a bool"),
+])
+def test_sampling_params_name_field_value_and_limit(kw, words):
+  """Found by probing: these passed validation and failed inside a step (or ran as
+  greedy, for NaN), poisoning the engine."""
+  with pytest.raises(ValueError) as e:
+    SamplingParams(**kw)
+  assert words in str(e.value)
+
+
+def test_one_stop_string_is_one_stop():
+  assert SamplingParams(stop="Paris").stop == ("Paris",)  # not five one-letter stops
+  assert SamplingParams(seed=-3).seed == -3  # keyed by seed mod 2**32
+
+
 def test_bucket_overflow_is_an_error():
   from jaxinfer.buckets import BucketError, BucketTable
   t = BucketTable.default(max_tokens=64, max_requests=4, max_pages=8)
