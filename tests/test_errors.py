@@ -1,8 +1,10 @@
 """Bad input gets a clear error naming the value and the limit."""
 import os
+import re
 
 import pytest
 
+from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams, get_model_config
 from jaxinfer.loading import ModelLoadError, load_model, resolve_model
 
@@ -94,3 +96,19 @@ def test_bucket_overflow_is_an_error():
     t.select(65, 1, 1)
   with pytest.raises(BucketError, match="requests per step=5"):
     t.select(5, 5, 1)
+
+
+def test_prompt_ids_outside_the_vocabulary_are_rejected_before_queueing():
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  ex = SimExecutor(AffineStepModel(), num_pages=16, page_size=4)
+  ex.vocab_size = 100
+  eng = Engine(ex, buckets=BucketTable.default(max_tokens=16, max_requests=2, max_pages=8))
+  for ids, words in [([5, 100], "prompt_token_ids[1] = 100 is outside the vocabulary [0, 100)"),
+                     ([-1], "prompt_token_ids[0] = -1"), ([2**31], "outside"),
+                     ([1.0], "must be an integer"), ("hello", "not text")]:
+    with pytest.raises(ValueError, match=re.escape(words)):
+      eng.add_request(ids, SamplingParams(max_tokens=2))
+  assert not eng.requests and not eng.scheduler.waiting  # nothing was queued
+  eng.add_request([5, 99], SamplingParams(max_tokens=2))
+  assert len(list(eng.stream())) == 2

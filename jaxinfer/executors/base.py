@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, Tuple
+from typing import Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -20,6 +20,7 @@ class Executor(Protocol):
   num_pages: int
   page_size: int
   virtual_clock: bool
+  vocab_size: Optional[int]  # token ids the model accepts: [0, vocab_size); None = any
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None: ...
 

@@ -29,6 +29,7 @@ class JaxExecutor:
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py)."""
     self.cfg = cfg
+    self.vocab_size = cfg.vocab_size
     self.params = params
     self.num_pages = num_pages
     self.page_size = page_size

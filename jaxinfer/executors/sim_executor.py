@@ -60,6 +60,7 @@ class AffineStepModel:
 
 class SimExecutor:
   virtual_clock = True
+  vocab_size = None  # no model: any token id is accepted
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
                token_id: int = 0, acceptance: float = 0.0, seed: int = 0):

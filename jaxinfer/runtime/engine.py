@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -141,7 +142,7 @@ class Engine:
                   prompt: Optional[str] = None) -> Request:
     """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run."""
     sampling = sampling or SamplingParams()
-    ids = [int(t) for t in prompt_token_ids]
+    ids = self._check_token_ids(prompt_token_ids)
     self.check_request(len(ids), sampling)
     if request_id is None:
       request_id = self._next_id
@@ -155,6 +156,23 @@ class Engine:
     self.requests[request_id] = r
     self.scheduler.add(r)
     return r
+
+  def _check_token_ids(self, prompt_token_ids) -> List[int]:
+    """Prompt ids as ints in [0, vocab): out-of-range ids were clamped or wrapped on the
+    device, silently (issue 15); checked here, before any state changes."""
+    if isinstance(prompt_token_ids, (str, bytes)):
+      raise ValueError("prompt_token_ids must be a sequence of token ids, not text "
+                       "(encode it with the tokenizer, or use LLM.generate)")
+    ids = []
+    hi = self.executor.vocab_size
+    for i, t in enumerate(prompt_token_ids):
+      if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
+      if t < 0 or (hi is not None and t >= hi):
+        raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary "
+                         f"[0, {hi if hi is not None else 'inf'})")
+      ids.append(int(t))
+    return ids
 
   def check_request(self, n_prompt: int, sp: SamplingParams) -> None:
     """Raise RequestTooLargeError if such a request could never run."""
