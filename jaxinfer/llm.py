@@ -28,7 +28,7 @@ class RequestOutput:
   prompt_token_ids: List[int]
   token_ids: List[int]
   text: str
-  finish_reason: Optional[str]  # "stop" | "length"
+  finish_reason: Optional[str]  # "stop" | "length" | "error"
   logprobs: List[float]
   ttft_s: float = 0.0
   decode_tok_s: float = 0.0
@@ -38,6 +38,7 @@ class RequestOutput:
   rounds: int = 0  # speculative verify rounds
   accepted_per_round: float = 0.0
   mean_tokens_per_round: float = 0.0
+  error: Optional[str] = None  # why the request failed (finish_reason "error")
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -52,6 +53,7 @@ class RequestOutput:
       dec = (len(r.token_times) - 1) / max(r.token_times[-1] - r.token_times[0], 1e-9)
     return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
+               error=r.error,
                logprobs=list(r.logprobs), ttft_s=ttft, decode_tok_s=dec,
                token_times=[t - r.arrival_time for t in r.token_times],
                cached_tokens=r.cached_tokens, num_preemptions=r.num_preemptions,
@@ -143,9 +145,14 @@ class LLM:
       raise ValueError(f"{len(sps)} SamplingParams for {len(prompts)} prompts")
     encoded = [self.encode_prompt(p, chat) for p in prompts]
     for ids, sp in zip(encoded, sps):  # validate everything before queueing anything
-      self.engine.check_request(len(ids), sp)
-    reqs = [self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None)
-            for p, ids, sp in zip(prompts, encoded, sps)]
-    while any(not r.state.done for r in reqs):
-      self.engine.step()
+      self.engine.validate_request(ids, sp)
+    reqs = []
+    try:
+      for p, ids, sp in zip(prompts, encoded, sps):
+        reqs.append(self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None))
+      while any(not r.state.done for r in reqs):
+        self.engine.step()
+    except BaseException:  # an error or Ctrl-C: leave the engine empty and healthy
+      self.engine.abort_requests([r.request_id for r in reqs])
+      raise
     return [RequestOutput.from_request(r) for r in reqs]

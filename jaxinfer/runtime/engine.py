@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -37,6 +38,8 @@ class RequestTooLargeError(ValueError):
 
 @dataclasses.dataclass
 class TokenEvent:
+  """One emitted token; a failed request gets one event with token_id -1, finished True,
+  finish_reason "error" (Request.error says why)."""
   request_id: object
   token_id: int
   logprob: float
@@ -116,6 +119,9 @@ class Engine:
     self._vclock = 0.0
     self._t0 = time.perf_counter()
     self._in_flight: Optional[InFlight] = None
+    self._owner: Optional[int] = None
+    self._launching_step: Optional[int] = None
+    self._failed: List[TokenEvent] = []  # error events of failed requests, for step()
     self.drafter = drafter
     self.draft_policy = draft_policy
     if drafter is not None and hasattr(drafter, "bind"):
@@ -141,9 +147,9 @@ class Engine:
                   deadline_s: Optional[float] = None, priority: int = 0,
                   prompt: Optional[str] = None) -> Request:
     """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run."""
+    self._check_owner()
     sampling = sampling or SamplingParams()
-    ids = self._check_token_ids(prompt_token_ids)
-    self.check_request(len(ids), sampling)
+    ids = self.validate_request(prompt_token_ids, sampling)
     if request_id is None:
       request_id = self._next_id
       self._next_id += 1
@@ -157,9 +163,18 @@ class Engine:
     self.scheduler.add(r)
     return r
 
+  def validate_request(self, prompt_token_ids, sampling: SamplingParams) -> List[int]:
+    """Every check add_request makes, with no state changed: the prompt ids as ints.
+    ValueError (RequestTooLargeError for sizes) names the field, the value and the limit."""
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    ids = self._check_token_ids(prompt_token_ids)
+    self.check_request(len(ids), sampling)
+    return ids
+
   def _check_token_ids(self, prompt_token_ids) -> List[int]:
     """Prompt ids as ints in [0, vocab): out-of-range ids were clamped or wrapped on the
-    device, silently (issue 15); checked here, before any state changes."""
+    device, silently; checked here, before any state changes."""
     if isinstance(prompt_token_ids, (str, bytes)):
       raise ValueError("prompt_token_ids must be a sequence of token ids, not text "
                        "(encode it with the tokenizer, or use LLM.generate)")
@@ -197,11 +212,54 @@ class Engine:
           f"request needs {pages} KV pages ({total - 1} tokens) but the pool has only "
           f"{self.pm.num_pages} pages of {self.pm.page_size} tokens")
 
-  def abort(self, request_id) -> None:
-    r = self.requests[request_id]
+  def abort(self, request_id) -> bool:
+    """Cancel a request at once (its pages return when no launched step reads them).
+    Returns False, changing nothing, for an unknown or already finished request id."""
+    self._check_owner()
+    r = self.requests.get(request_id)
+    if r is None or r.state.done:
+      return False
     self.scheduler.abort(r, self.now())
     if self.tokenizer is not None:
       r.text = self.tokenizer.decode(r.output_token_ids)
+    return True
+
+  def abort_requests(self, request_ids) -> None:
+    """Leave the engine as if these requests had never run: the step in flight (if any) is
+    finished first, then each unfinished one is aborted. For callers that stop early (an
+    exception or KeyboardInterrupt in LLM.generate, a client that went away)."""
+    if self._in_flight is not None:
+      self.finish(self._in_flight)
+    for rid in request_ids:
+      self.abort(rid)
+
+  def _check_owner(self) -> None:
+    """One thread owns an engine (the first that adds, steps or aborts): the scheduler,
+    page manager and executor are not thread-safe. Other threads talk to it through
+    queues (the server's engine thread does)."""
+    me = threading.get_ident()
+    if self._owner is None:
+      self._owner = me
+    elif self._owner != me:
+      raise RuntimeError("this Engine is owned by another thread; call it only from the "
+                         "thread that first used it (hand requests over through a queue)")
+
+  def _fail(self, plan, error: BaseException, step_id=None) -> None:
+    """A step raised: fail exactly its requests, free their pages, keep serving."""
+    msg = f"{type(error).__name__}: {error}"
+    log.error("step failed; failing its %d requests: %s", len(plan.seqs), msg)
+    if step_id is not None:
+      self.pm.complete_step(step_id)
+    self._in_flight = None
+    now = self.now()
+    for s in plan.seqs:
+      self._fail_request(s.request, msg, now)
+
+  def _fail_request(self, r: Request, msg: str, now: float) -> None:
+    if r.state.done:
+      return
+    self.scheduler.fail(r, now, msg)
+    self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "error"))
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
@@ -216,7 +274,9 @@ class Engine:
   # --- steps ---------------------------------------------------------------------------------
   def launch(self) -> Optional[InFlight]:
     """Schedule and start one step. None when nothing can run now."""
-    assert self._in_flight is None, "finish() the step in flight first"
+    self._check_owner()
+    if self._in_flight is not None:
+      raise RuntimeError("a step is in flight: finish() it before launching another")
     draft_s = 0.0
     if self.drafter is not None:
       t0 = time.perf_counter()
@@ -226,6 +286,14 @@ class Engine:
     plan = self.scheduler.schedule(now)
     if plan.empty:
       return None
+    try:
+      return self._launch_plan(plan, now, draft_s)
+    except Exception as e:  # noqa: BLE001 -- any fault fails this step's requests only
+      self._fail(plan, e, self._launching_step)
+      return None
+
+  def _launch_plan(self, plan, now: float, draft_s: float) -> InFlight:
+    self._launching_step = None
     ex = self.executor
     if plan.offloads:
       ex.offload_pages(plan.offloads)
@@ -246,7 +314,8 @@ class Engine:
     else:
       step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
       b = step.bucket
-    step_id = self.pm.begin_step([s.request.request_id for s in plan.seqs])
+    step_id = self._launching_step = self.pm.begin_step([s.request.request_id
+                                                         for s in plan.seqs])
     handle = ex.launch(step, plan) if hasattr(ex, "launch") else ex.execute(step, plan)
     self._in_flight = InFlight(plan, handle, step_id, now,
                                (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len,
@@ -255,8 +324,13 @@ class Engine:
     return self._in_flight
 
   def finish(self, f: InFlight) -> List[TokenEvent]:
+    self._check_owner()
     ex = self.executor
-    result = ex.collect(f.handle) if hasattr(ex, "collect") else f.handle
+    try:
+      result = ex.collect(f.handle) if hasattr(ex, "collect") else f.handle
+    except Exception as e:  # noqa: BLE001 -- the step's requests fail, the engine serves on
+      self._fail(f.plan, e, f.step_id)
+      return self._take_failed()
     if ex.virtual_clock:
       self._vclock = f.start + result.duration_s
     end = self.now()
@@ -264,6 +338,13 @@ class Engine:
     self._in_flight = None
     sampled = [(result.packed[i, 0], result.packed[i, 1], bool(result.packed[i, 2]))
                for i in range(sum(s.num_logits for s in f.plan.seqs))]
+    row = 0
+    for s in f.plan.seqs:  # non-finite logits (damaged weights, overflow) fail the request
+      lps = result.packed[row:row + s.num_logits, 1]
+      row += s.num_logits
+      if not np.isfinite(lps).all():
+        self._fail_request(s.request, "non-finite logits (NaN or Inf) in the model output",
+                           end)
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
     tokens = f.bucket[0]
     old = self._step_time_by_tokens.get(tokens)
@@ -284,24 +365,34 @@ class Engine:
         last = j == len(r.output_token_ids) - 1
         events.append(TokenEvent(r.request_id, r.output_token_ids[j], r.logprobs[j], end,
                                  r.state.done and last, r.finish_reason if last else None))
-    return events
+    return self._take_failed() + events
+
+  def _take_failed(self) -> List[TokenEvent]:
+    out, self._failed = self._failed, []
+    return out
 
   def step(self) -> List[TokenEvent]:
     """One iteration; if nothing can run, wait for the next arrival first."""
     f = self.launch()
     if f is None:
       nxt = self.scheduler.next_arrival()
-      if nxt is None:
-        return []
+      if nxt is None or self._failed:
+        return self._take_failed()
       self._wait_until(nxt)
       f = self.launch()
       if f is None:
-        return []
+        return self._take_failed()
     return self.finish(f)
 
   def stream(self) -> Iterator[TokenEvent]:
-    while self.has_unfinished():
-      yield from self.step()
+    """Step until no work is left, yielding every event. If the consumer stops early (or an
+    exception lands mid-step), the step in flight is finished, so the engine can go on."""
+    try:
+      while self.has_unfinished():
+        yield from self.step()
+    finally:
+      if self._in_flight is not None:
+        self.finish(self._in_flight)
 
   def run(self) -> List[Request]:
     for _ in self.stream():

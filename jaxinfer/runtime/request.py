@@ -21,16 +21,18 @@ class State(enum.Enum):
   FINISHED = "finished"
   CANCELLED = "cancelled"
   REJECTED = "rejected"
+  FAILED = "failed"  # a step carrying the request raised, or produced non-finite logits
 
   @property
   def done(self) -> bool:
-    return self in (State.FINISHED, State.CANCELLED, State.REJECTED)
+    return self in (State.FINISHED, State.CANCELLED, State.REJECTED, State.FAILED)
 
 
 _ALLOWED = {
-    State.WAITING: {State.PREFILL, State.CANCELLED, State.REJECTED},
-    State.PREFILL: {State.PREFILL, State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED},
-    State.DECODE: {State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED},
+    State.WAITING: {State.PREFILL, State.CANCELLED, State.REJECTED, State.FAILED},
+    State.PREFILL: {State.PREFILL, State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED,
+                    State.FAILED},
+    State.DECODE: {State.DECODE, State.WAITING, State.CANCELLED, State.FINISHED, State.FAILED},
 }
 
 
@@ -53,8 +55,9 @@ class Request:
   first_admitted_at: Optional[float] = None
   token_times: List[float] = dataclasses.field(default_factory=list)
   finished_at: Optional[float] = None
-  finish_reason: Optional[str] = None  # stop | length | abort | rejected
+  finish_reason: Optional[str] = None  # stop | length | abort | rejected | error
   reject_reason: Optional[str] = None
+  error: Optional[str] = None  # why a step failed the request (finish_reason "error")
   text: str = ""
   num_preemptions: int = 0
   recomputed_tokens: int = 0  # extra tokens scheduled because of preemption

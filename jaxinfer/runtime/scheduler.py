@@ -134,15 +134,24 @@ class Scheduler:
 
   def abort(self, r: Request, now: float) -> None:
     """Stop scheduling at once; pages return once in-flight steps complete (8.3.2)."""
+    self._stop(r, State.CANCELLED, "abort", now)
+
+  def fail(self, r: Request, now: float, error: str) -> None:
+    """End a request whose step failed: finish_reason "error", pages released like abort."""
+    if self._stop(r, State.FAILED, "error", now):
+      r.error = error
+
+  def _stop(self, r: Request, state: State, reason: str, now: float) -> bool:
     if r.state.done:
-      return
+      return False
     if r in self.waiting:
       self.waiting.remove(r)
     if r in self.running:
       self.running.remove(r)
       self._release(r)
-    r.set_state(State.CANCELLED)
-    r.finish_reason, r.finished_at = "abort", now
+    r.set_state(state)
+    r.finish_reason, r.finished_at = reason, now
+    return True
 
   # --- one iteration ----------------------------------------------------------------------
   def schedule(self, now: float) -> StepPlan:
