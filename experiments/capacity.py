@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from absl import app, flags
 
 from jaxinfer.config import get_model_config
 from jaxinfer.kv import bytes_per_token
 from jaxinfer.runtime import accounting
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "qwen3-8b", "model config name")
@@ -40,7 +40,7 @@ def main(argv):
              kv_end_mib=cap.kv_end_bytes / MIB, shared_prefix_mib=cap.shared_prefix_bytes / MIB,
              private_end_mib=cap.private_end_bytes / MIB)
   if FLAGS.json:
-    print(json.dumps(out, indent=1))
+    print(strict_json.dumps(out, indent=1))
     return
   for key, v in out.items():
     print(f"{key:>24}: {v}")

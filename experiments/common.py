@@ -1,10 +1,10 @@
 """What the study binaries share: the config flag, output files, progress lines."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+from jaxinfer import strict_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ def write_json(output_dir: str, name: str, obj) -> str:
   os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, name)
   with open(path, "w") as f:
-    json.dump(obj, f, indent=1, default=str)
+    strict_json.dump(obj, f, indent=1, default=str)
   return path
 
 

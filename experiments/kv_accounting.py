@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import string
 
 from absl import app, flags
 
 from jaxinfer.runtime import accounting
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["9", "13", "5", "15"], "sequence lengths (named A, B, C, ...)")
@@ -43,7 +43,7 @@ def main(argv):
     shares = [_parse_share(s, names) for s in FLAGS.share]
     rows = accounting.account(lengths, FLAGS.max_len, FLAGS.page_size, shares)
   if FLAGS.json:
-    print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    print(strict_json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     return
   cols = ["policy", "reserved_slots", "allocated_slots", "unused_slots", "page_table_entries",
           "physical_pages"]

@@ -9,7 +9,6 @@ kept / net and the requests that saving admits; draw round time vs offloaded set
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from absl import app, flags
@@ -22,6 +21,7 @@ from jaxinfer.executors.sim_executor import SimExecutor
 from jaxinfer.plotting import pyplot, save
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "qwen3-8b", "model config")
@@ -99,7 +99,7 @@ def main(argv):
           continue
         rows.append(simulate(FLAGS.model, hw, n, b, FLAGS.input_tokens, FLAGS.output_tokens))
   if FLAGS.json:
-    print(json.dumps({"simulated": rows, "real": real}, indent=1))
+    print(strict_json.dumps({"simulated": rows, "real": real}, indent=1))
   else:
     print(f"{'hardware':>13} {'sets':>4} {'buf':>3} {'round ms':>9} {'copy ms':>8} "
           f"{'request s':>9} {'<=7s':>5} {'net MiB':>8} {'+req@end':>8}")
@@ -111,7 +111,7 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "offload.json"), "w") as f:
-      json.dump({"simulated": rows, "real": real}, f, indent=1)
+      strict_json.dump({"simulated": rows, "real": real}, f, indent=1)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for hw in FLAGS.hardware:

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 
 from absl import app, flags
@@ -21,6 +19,7 @@ from jaxinfer.costmodel import formulas as F
 from jaxinfer.costmodel.select import plot_plane, select
 from jaxinfer.plotting import pyplot, save
 from jaxinfer.runtime import accounting
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "qwen3-8b", "model config")
@@ -190,9 +189,9 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, f"plan_{argv[1]}.json"), "w") as f:
-      json.dump(out, f, indent=1, default=str)
+      strict_json.dump(out, f, indent=1, default=str)
   if FLAGS.json:
-    print(json.dumps(out, indent=1, default=lambda x: None if x == math.inf else str(x)))
+    print(strict_json.dumps(out, indent=1, default=str))
   else:
     _print(out)
 

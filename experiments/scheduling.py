@@ -29,6 +29,7 @@ from jaxinfer.metrics import request_record, step_records
 from jaxinfer.plotting import plot_timeline, pyplot, save
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
+from jaxinfer import strict_json
 
 UNLIMITED = 1 << 20
 
@@ -186,8 +187,7 @@ def plot_sweep(rows: List[Dict], path: str) -> None:
 
 def print_tables(res: Dict) -> None:
   if res["config"]["json"]:
-    import json
-    print(json.dumps(res, indent=1))
+    print(strict_json.dumps(res, indent=1))
     return
   for ex, pol in res["policies"].items():
     print(f"[{ex}] {'policy':>11} {'makespan ms':>12} {'max ITL ms':>11}  per request "

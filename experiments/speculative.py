@@ -10,7 +10,6 @@ Simulated: the roofline model with per-position acceptance a, draft lengths m.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ from absl import app, flags
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.runtime import speculative
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target model")
@@ -133,7 +133,7 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "speculative.json"), "w") as f:
-      json.dump({"real": real, "sim": sim}, f, indent=1)
+      strict_json.dump({"real": real, "sim": sim}, f, indent=1)
 
 
 if __name__ == "__main__":

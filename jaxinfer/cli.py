@@ -5,11 +5,11 @@ timing line goes to stderr.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from absl import app, flags
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "model name or path (.gguf / HF dir / checkpoint)")
@@ -65,7 +65,7 @@ def _generate():
         f"{len(outs)} prompt(s) in {t_gen:.2f}s (includes compilation)", file=sys.stderr)
   for o in outs:
     if FLAGS.json:
-      print(json.dumps(o.to_json()))
+      print(strict_json.dumps(o.to_json()))
     else:
       print(o.text)
 

@@ -15,12 +15,19 @@ def _run(*args, timeout=900):
   return out.stdout
 
 
+def _loads(text):
+  """Strict JSON: NaN / Infinity (which json.loads accepts) fail the test."""
+  def bad(c):
+    raise AssertionError(f"non-strict JSON constant {c} in a binary's output")
+  return json.loads(text, parse_constant=bad)
+
+
 def _config(study, mode):
   return f"--config={config_path(study)}:{mode}"
 
 
 def test_plan_select_json(tmp_path):
-  d = json.loads(_run("experiments.plan", "select", "--json", f"--output_dir={tmp_path}"))
+  d = _loads(_run("experiments.plan", "select", "--json", f"--output_dir={tmp_path}"))
   assert d["chosen"] == "D"
   assert {v["name"] for v in d["variants"]} == set("ABCDE")
   assert (tmp_path / "plan_select.png").stat().st_size > 10_000
@@ -29,7 +36,7 @@ def test_plan_select_json(tmp_path):
 def test_scheduling_sim_json(tmp_path):
   """8.2.2's ordering of max ITL across policies, and 8.2.4's trade: a larger token
   budget lets late requests leave the queue sooner but raises the max ITL."""
-  d = json.loads(_run("experiments.scheduling", _config("scheduling", "sim"),
+  d = _loads(_run("experiments.scheduling", _config("scheduling", "sim"),
                       "--config.json", f"--output_dir={tmp_path}"))
   p = d["policies"]["sim"]
   assert p["continuous"]["max_itl_ms"] > p["chunked"]["max_itl_ms"] > p["fixed"]["max_itl_ms"]
@@ -43,7 +50,7 @@ def test_scheduling_sim_json(tmp_path):
 
 @pytest.mark.slow
 def test_scheduling_small_real(tmp_path):
-  d = json.loads(_run("experiments.scheduling", _config("scheduling", "small"),
+  d = _loads(_run("experiments.scheduling", _config("scheduling", "small"),
                       "--config.json", f"--output_dir={tmp_path}"))
   assert set(d["policies"]["jax"]) == {"continuous", "chunked"}
   real = [r for r in d["budget_sweep"] if r["executor"] == "jax"]
@@ -55,7 +62,7 @@ def test_scheduling_small_real(tmp_path):
 def test_speculative_small(tmp_path):
   out = _run("experiments.speculative", "--small", f"--output_dir={tmp_path}")
   assert "tok/round" in out
-  d = json.loads((tmp_path / "speculative.json").read_text())
+  d = _loads((tmp_path / "speculative.json").read_text())
   assert {r["drafter"] for r in d["real"]} == {"none", "ngram", "early_exit"}
 
 
@@ -75,7 +82,7 @@ def test_batch_sweep_small(tmp_path):
   out = _run("experiments.batch_sweep", _config("batch_sweep", "small"),
              f"--output_dir={tmp_path}")
   assert "MBU" in out
-  d = json.loads((tmp_path / "batch_sweep.json").read_text())
+  d = _loads((tmp_path / "batch_sweep.json").read_text())
   assert [r["batch"] for r in d["real"]] == [1, 4]
   assert (tmp_path / "batch_sweep.png").stat().st_size > 10_000
   assert all(0 < r["mbu"] < 1.5 for r in d["real"])
@@ -105,7 +112,7 @@ def test_prefix_reuse_strategies_and_tiers():
 def test_prefix_reuse_real_small(tmp_path):
   out = _run("experiments.prefix_reuse", _config("prefix_reuse", "small"),
              f"--output_dir={tmp_path}")
-  d = json.loads((tmp_path / "prefix_reuse.json").read_text())["results"]
+  d = _loads((tmp_path / "prefix_reuse.json").read_text())["results"]
   assert (tmp_path / "prefix_reuse.png").stat().st_size > 10_000
   append = [r for r in d if r["strategy"] == "append"][0]
   assert append["session_cached_tokens"] > 0 and "mean TTFT" in out
@@ -117,7 +124,7 @@ def test_kv_quality_small(tmp_path):
   (KL > 0, top-1 < 1) and stores fewer bytes per token; every attempt is graded."""
   out = _run("experiments.kv_quality", _config("kv_quality", "small"),
              f"--output_dir={tmp_path}")
-  d = json.loads((tmp_path / "kv_quality.json").read_text())
+  d = _loads((tmp_path / "kv_quality.json").read_text())
   s = {r["variant"]: r for r in d["summary"]}
   assert s["f32"]["top1_agreement"] == 1.0 and s["f32"]["kl_mean"] == 0.0
   assert 0 < s["q4_0"]["kl_mean"] and s["q4_0"]["top1_agreement"] < 1.0
@@ -132,7 +139,7 @@ def test_goodput_small(tmp_path):
   """8.6.2 at CI size: every request is accounted (done or rejected) in every window,
   goodput never exceeds completion throughput, and the low rate is served in full."""
   out = _run("experiments.goodput", _config("goodput", "small"), f"--output_dir={tmp_path}")
-  d = json.loads((tmp_path / "goodput.json").read_text())
+  d = _loads((tmp_path / "goodput.json").read_text())
   for w in d["windows"]:
     assert w["completed"] + w["rejected"] == 4
     assert w["goodput_rps"] <= w["completion_rps"] + 1e-9
@@ -147,7 +154,7 @@ def test_config_select_small(tmp_path):
   scheduler both choose D; B misses the deadline; D's draft memory shows in its peak."""
   _run("experiments.config_select", _config("config_select", "small"),
        f"--output_dir={tmp_path}")
-  d = json.loads((tmp_path / "config_select.json").read_text())["scenarios"][0]
+  d = _loads((tmp_path / "config_select.json").read_text())["scenarios"][0]
   assert d["chosen"] == "D" and d["chosen_by_simulation"] == "D"
   sims = {s["name"]: s for s in d["simulated"]}
   assert sims["B"]["good"] < 16 and sims["D"]["good"] == 16 and sims["E"]["good"] == 16
@@ -159,7 +166,7 @@ def test_config_select_small(tmp_path):
 def test_study_config_fields_override_from_the_command_line(tmp_path):
   """--config.field=value reaches the study (sequence fields are tuples: ml-collections
   cannot override a list from the command line)."""
-  d = json.loads(_run("experiments.scheduling", _config("scheduling", "sim"), "--config.json",
+  d = _loads(_run("experiments.scheduling", _config("scheduling", "sim"), "--config.json",
                       "--config.policies=('chunked',)", "--config.sweep_budgets=(512, 8192)",
                       f"--output_dir={tmp_path}"))
   assert list(d["policies"]["sim"]) == ["chunked"]
@@ -174,8 +181,7 @@ def test_bench_decode_small(tmp_path):
        "--prefill_lens=16", "--repeats=1", "--hf=false", "--max_pool_gib=0.002",
        f"--output_dir={tmp_path}"], capture_output=True, text=True, check=True,
       timeout=600, cwd=ROOT).stdout
-  d = json.loads((tmp_path / "bench_decode.json").read_text(),
-                 parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+  d = _loads((tmp_path / "bench_decode.json").read_text())
   assert [(r["batch"], r["context"]) for r in d["decode"]] == [(1, 16)]
   assert d["skipped"] == [s for s in d["skipped"] if "batch 2 context 16" in s] != []
   r = d["decode"][0]

@@ -16,14 +16,13 @@ Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 import time
 
 from absl import app, flags
 import numpy as np
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "model name or GGUF path")
@@ -161,8 +160,8 @@ def main(argv):
       r.update(hf_ms=1e3 * th, over_hf=th / t)
     pre.append(r)
 
-  print(f"\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
-        f"'x HF' = HF step / ours")
+  print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
+        "'x HF' = HF step / ours")
   print(f"{'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} {'bw floor':>9} "
         f"{'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6}")
   for r in rows:
@@ -171,7 +170,7 @@ def main(argv):
           f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
   for s in skipped:
     print(f"skipped (--max_pool_gib={FLAGS.max_pool_gib:g}): {s}")
-  print(f"\nprefill, one request (ms)")
+  print("\nprefill, one request (ms)")
   print(f"{'tokens':>6} {'jaxinfer':>9} {'GFLOP/s':>8} {'of matmul rate':>14} {'cmp floor':>9} "
         f"{'HF':>8} {'x HF':>6}")
   for r in pre:
@@ -183,7 +182,7 @@ def main(argv):
     out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9,
            "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:
-      json.dump(out, f, indent=1, allow_nan=False)
+      strict_json.dump(out, f, indent=1)
     _figure(rows, os.path.join(FLAGS.output_dir, "bench_decode.png"))
 
 

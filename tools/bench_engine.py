@@ -6,11 +6,11 @@ requests, same run.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
 import numpy as np
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "model")
@@ -67,7 +67,7 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "bench_engine.json"), "w") as f:
-      json.dump(results, f, indent=1)
+      strict_json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

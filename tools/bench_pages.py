@@ -5,7 +5,6 @@ match / insert / evict with a 100k-page pool.
 """
 from __future__ import annotations
 
-import json
 import time
 
 from absl import app, flags
@@ -13,6 +12,7 @@ import numpy as np
 
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_pages", 100_000, "pool size")
@@ -69,7 +69,7 @@ def main(argv):
   pm.check_invariants(cache.owned_refs())
   out = {k: round(v) for k, v in out.items()}
   out.update(num_pages=FLAGS.num_pages, page_size=ps, seq_tokens=L)
-  print(json.dumps(out, indent=None if FLAGS.json else 1))
+  print(strict_json.dumps(out, indent=None if FLAGS.json else 1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ decode benchmark's bandwidth floor:
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import benchmarking as bm
+from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output", "", "write the profile JSON here (default: print only)")
@@ -74,11 +74,11 @@ def calibrate(prof, batches, context, repeats):
 def main(argv):
   del argv
   prof = measure(FLAGS.read_mib, FLAGS.matmul_n, FLAGS.repeats)
-  print(json.dumps(prof, indent=1))
+  print(strict_json.dumps(prof, indent=1))
   if FLAGS.output:
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
     with open(FLAGS.output, "w") as f:
-      json.dump(prof, f, indent=1)
+      strict_json.dump(prof, f, indent=1)
   if FLAGS.calibrate:
     cal = calibrate(prof, [int(b) for b in FLAGS.batches], FLAGS.context, FLAGS.repeats)
     bw = prof["memory_bandwidth_gbs"] * 1e9
@@ -97,7 +97,7 @@ def main(argv):
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "calibration", "local-cpu.json")
     with open(path, "w") as f:
-      json.dump(cal, f, indent=1)
+      strict_json.dump(cal, f, indent=1)
 
 
 if __name__ == "__main__":
