@@ -120,7 +120,6 @@ class PrefixCache:
       node = child
     for n in nodes:
       n.last_access = now
-      n.hits += 1
     dev = 0
     for n in nodes:  # device hits are a prefix; after the first host node, fetch the rest
       if not n.on_device:
@@ -133,12 +132,19 @@ class PrefixCache:
     m = Match(nodes=nodes, device_tokens=min(dev, restore), host_tokens=max(restore - dev, 0),
               restore_tokens=restore, recompute_tokens=matched - restore)
     if record:
-      self.stats.lookups += 1
-      self.stats.lookup_tokens += len(token_ids)
-      self.stats.device_hit_tokens += m.device_tokens
-      self.stats.host_hit_tokens += m.host_tokens
-      self.stats.recomputed_tokens += len(token_ids) - restore
+      self.record(m, len(token_ids))
     return m
+
+  def record(self, m: "Match", lookup_tokens: int) -> None:
+    """Count one lookup: the statistics and the nodes' hit counts (8.3.4's value-per-MiB
+    eviction reads them as hit probabilities, so a lookup counts once, when used)."""
+    for n in m.nodes:
+      n.hits += 1
+    self.stats.lookups += 1
+    self.stats.lookup_tokens += lookup_tokens
+    self.stats.device_hit_tokens += m.device_tokens
+    self.stats.host_hit_tokens += m.host_tokens
+    self.stats.recomputed_tokens += lookup_tokens - m.restore_tokens
 
   def lock(self, nodes: Sequence[Node]) -> None:
     for n in nodes:

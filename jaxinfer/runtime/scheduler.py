@@ -191,7 +191,13 @@ class Scheduler:
         r.finish_reason, r.reject_reason, r.finished_at = "rejected", "deadline", now
         plan.rejected.append(r)
         continue
-      if not self._admit(r, plan):
+      first = not plan.seqs
+
+      def first_tokens(hit, r=r, budget=budget, first=first):
+        # tokens r's first step would run if admitted now with `hit` tokens cached
+        return self._chunk_len(r.num_tokens - hit, budget, chunked, first)
+
+      if not self._admit(r, plan, first_tokens):
         break  # first come, first served: the head waits for memory
       n = self._chunk(r, budget, chunked, first=not plan.seqs)
       if n == 0 or not self._grow(r, n, plan):
@@ -209,7 +215,9 @@ class Scheduler:
     return plan
 
   def _chunk(self, r: Request, budget: int, chunked: bool, first: bool) -> int:
-    pending = r.num_pending
+    return self._chunk_len(r.num_pending, budget, chunked, first)
+
+  def _chunk_len(self, pending: int, budget: int, chunked: bool, first: bool) -> int:
     if pending == 1:
       return 1 if budget >= 1 or first else 0
     n = min(pending, self.max_step_tokens)
@@ -226,11 +234,17 @@ class Scheduler:
     return finish > r.arrival_time + r.deadline_s
 
   # --- memory -----------------------------------------------------------------------------
-  def _admit(self, r: Request, plan: StepPlan) -> bool:
+  def _admit(self, r: Request, plan: StepPlan, first_tokens: Callable[[int], int]) -> bool:
+    """Admit r if its KV fits now: to the end of generation (reserve="end"), or its first
+    step's tokens (reserve="none": a request admitted with no page for its first chunk
+    was preempted in the same schedule(), counted as a preemption of work never done).
+    The prefix-cache lookup is recorded once, when r is admitted (a head request that
+    waits for memory retries every iteration)."""
     cfg, pm = self.config, self.pm
-    nodes, hit = [], 0
+    nodes, hit, m = [], 0, None
     if self.cache is not None:
-      m = self.cache.match(cfg.cache_key, r.all_token_ids, max_tokens=r.num_tokens - 1)
+      m = self.cache.match(cfg.cache_key, r.all_token_ids, max_tokens=r.num_tokens - 1,
+                           record=False)
       nodes = m.nodes[:m.restore_tokens // pm.page_size]
       hit = len(nodes) * pm.page_size
       self.cache.lock(nodes)  # the eviction below must not take the pages we match
@@ -240,7 +254,7 @@ class Scheduler:
         self.cache.unlock(nodes)
       return False
 
-    reserve = r.kv_tokens_at_end if cfg.reserve == "end" else 0
+    reserve = r.kv_tokens_at_end if cfg.reserve == "end" else hit + first_tokens(hit)
     host = [n for n in nodes if not n.on_device]
     while True:
       need = max(pm.pages_for(reserve) - len(nodes), 0) + len(host)
@@ -262,6 +276,8 @@ class Scheduler:
       for h in self.reservers:
         h.release(r)
       return give_up()
+    if m is not None:
+      self.cache.record(m, len(r.all_token_ids))
     r.prefix_nodes = nodes
     r.num_computed = hit
     if not r.output_token_ids:
