@@ -50,3 +50,11 @@ def test_padding_slots_and_q_precision():
   args = make_case(rng, "q8_0", 16, 9, 3, 64, reqs)
   for qp in ("native", "kv"):
     _check(args, [r for r in reqs if r[1]], 2, qp)
+
+
+@pytest.mark.parametrize("reqs", [[(100, 1)], [(33, 1), (70, 1), (9, 5)]])
+def test_few_decode_slots_use_the_dot_form(reqs):
+  """At most MAX_DOT_FORM_SLOTS decode slots take the reference's one-gather form."""
+  assert sum(n == 1 for _, n in reqs) <= xla.MAX_DOT_FORM_SLOTS
+  rng = np.random.default_rng()
+  _check(make_case(rng, "bf16", 16, 9, 3, 64, reqs), reqs, block_pages=None)

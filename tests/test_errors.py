@@ -112,3 +112,37 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected_before_queueing():
   assert not eng.requests and not eng.scheduler.waiting  # nothing was queued
   eng.add_request([5, 99], SamplingParams(max_tokens=2))
   assert len(list(eng.stream())) == 2
+
+
+def _cli(*args, env=None):
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-m", "jaxinfer", *args], capture_output=True,
+                        timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+                        env=None if env is None else {**os.environ, **env})
+
+
+def test_cli_help_lists_the_flags_and_exits_0():
+  for args in (["--help"], ["generate", "--help"]):
+    out = _cli(*args)
+    assert out.returncode == 0
+    text = out.stdout.decode()
+    for flag in ("--kv_format", "--attention", "--max_tokens", "--speculative"):
+      assert flag in text
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "--temperature=nan"], "temperature must be a finite number"),
+    (["generate", "--top_k=-1"], "top_k must be in [0, 2147483647], got -1"),
+    (["generate", "--kv_format=bogus"], "value should be one of <f32|bf16|fp8|q8_0|q4_0>"),
+    (["generate", "--num_pages=0"], "--num_pages must be >= 1, got 0"),
+    (["generate", "extra"], "unexpected arguments"),
+    ([], "usage: python -m jaxinfer generate"),
+    (["generate", b"--prompt=a\xffb"], "not valid UTF-8"),
+])
+def test_cli_argument_errors_are_one_line_and_exit_2_before_loading(args, words, tmp_path):
+  out = _cli(*args, env={"JAXINFER_CACHE": str(tmp_path)})
+  err = out.stderr.decode().strip()
+  assert out.returncode == 2, err
+  assert err.startswith("error: ") and words in err and "\n" not in err
+  assert not list(tmp_path.iterdir())  # no model was loaded (a load converts into the cache)

@@ -140,3 +140,28 @@ def test_interrupt_between_launch_and_finish_leaves_the_engine_empty(smollm2):
   assert not eng.has_unfinished()  # nothing queued, running or in flight
   assert eng.pm.num_free == 8
   assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+
+
+def test_memory_stays_flat_over_ten_thousand_requests():
+  """Finished requests, step records and scheduler keys are trimmed to their caps
+  (they grew without bound: a long-running server would run out of memory)."""
+  import tracemalloc
+  ex = SimExecutor(AffineStepModel(), num_pages=256, page_size=4)
+  eng = Engine(ex, SchedulerConfig(policy="chunked", max_running=16, token_budget=64,
+                                   chunk_size=64), buckets=TABLE,
+               max_retained_requests=200, max_step_records=300)
+  sp = SamplingParams(max_tokens=3, ignore_eos=True)
+  sizes = []
+  tracemalloc.start()
+  for block in range(10):
+    for i in range(1000):
+      eng.add_request([1 + i % 50, 2, 3, 4, 5], sp)
+      if i % 16 == 15:
+        eng.step()
+    eng.run()
+    sizes.append(tracemalloc.get_traced_memory()[0])
+  tracemalloc.stop()
+  assert len(eng.requests) <= 220 and len(eng.steps) <= 330
+  assert len(eng.scheduler._key) <= 220
+  assert eng._num_steps > 1000  # the records kept are the newest of many
+  assert sizes[-1] < 1.5 * sizes[1], sizes  # flat after the first block, not 10x

@@ -76,3 +76,27 @@ def test_fp8_page_scale_grows_and_requantizes():
   kk = np.asarray(kk).transpose(1, 2, 0, 3)[0]
   np.testing.assert_allclose(kk[0], 0.5, rtol=0.07)
   np.testing.assert_allclose(kk[1], 40.0, rtol=0.07)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "fp8", "q4_0"])
+def test_host_tier_offload_and_fetch_round_trip(fmt):
+  """JaxExecutor's host tier moves pages out and back in one batched call each, bit for
+  bit, to other device pages; pages not named are untouched."""
+  import jax
+  from jaxinfer.config import SMOLLM2_135M
+  from jaxinfer.executors.jax_executor import JaxExecutor
+  cfg = SMOLLM2_135M.replace(num_layers=2)
+  ex = JaxExecutor(cfg, None, num_pages=8, page_size=4, kv_format=fmt)
+  rng = np.random.default_rng(0)
+  ex.pool = jax.device_put({k: rng.integers(0, 255, a.shape).astype(a.dtype)
+                            for k, a in ex.pool.items()})
+  before = {k: np.asarray(a) for k, a in ex.pool.items()}
+  ex.offload_pages([(1, 10), (5, 11), (6, 12)])
+  ex.fetch_pages([(10, 7), (11, 0), (12, 2)])
+  after = {k: np.asarray(a) for k, a in ex.pool.items()}
+  for k in before:
+    for src, dst in ((1, 7), (5, 0), (6, 2)):
+      np.testing.assert_array_equal(after[k][:, :, dst], before[k][:, :, src])
+    for p in (1, 3, 4, 5, 6):
+      np.testing.assert_array_equal(after[k][:, :, p], before[k][:, :, p])
+  assert not ex.host_pages

@@ -14,7 +14,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput
-from jaxinfer.step import copy_pages_jit, enable_compilation_cache, model_step
+from jaxinfer.step import (copy_pages_jit, enable_compilation_cache, model_step,
+                           read_pages_jit, write_pages_jit)
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,29 @@ class JaxExecutor:
     return self.collect(self.launch(step, plan))
 
   def offload_pages(self, moves: Sequence[Tuple[int, int]]) -> None:
-    """Host tier: copy pages to host memory (numpy) before their device pages are reused."""
-    for page, slot in moves:
-      self.host_pages[slot] = {k: np.asarray(a[:, :, page]) for k, a in self.pool.items()}
+    """Host tier: copy (page, slot) pages to host memory before their device pages are
+    reused: one jitted gather and one device -> host copy for all of them."""
+    if not moves:
+      return
+    pages = _pad_pow2([p for p, _ in moves], self.num_pages)
+    data = {k: np.asarray(a) for k, a in read_pages_jit(self.pool, pages).items()}
+    for i, (_, slot) in enumerate(moves):
+      self.host_pages[slot] = {k: a[:, :, i].copy() for k, a in data.items()}
 
   def fetch_pages(self, moves: Sequence[Tuple[int, int]]) -> None:
-    for slot, page in moves:
-      data = self.host_pages.pop(slot)
-      self.pool = {k: a.at[:, :, page].set(data[k]) for k, a in self.pool.items()}
+    """Host tier: write (slot, page) pages back, in one donated (in-place) device call;
+    an eager .at[].set copied the whole pool once per page."""
+    if not moves:
+      return
+    pages = _pad_pow2([p for _, p in moves], self.num_pages)  # padding: dropped writes
+    slots = [self.host_pages.pop(s) for s, _ in moves]
+    data = {}
+    for k, a in self.pool.items():
+      rows = np.zeros(a.shape[:2] + (len(pages),) + a.shape[3:], a.dtype)
+      for i, d in enumerate(slots):
+        rows[:, :, i] = d[k]
+      data[k] = rows
+    self.pool = write_pages_jit(self.pool, pages, data)
 
   def run(self, step: StepInput, return_logits: bool = False):
     """Returns packed [S, 3] float32 numpy (token id, logprob, accepted) rows (and logits)."""
@@ -117,6 +133,12 @@ class JaxExecutor:
       self.launch(StepInput(dummy_inputs(b, self.num_pages), b, [], 0))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
+
+
+def _pad_pow2(pages, fill: int) -> np.ndarray:
+  """pages padded with `fill` to a power of two: few compiled shapes."""
+  n = 1 << (len(pages) - 1).bit_length()
+  return np.array(list(pages) + [fill] * (n - len(pages)), np.int32)
 
 
 def dummy_inputs(b: Bucket, num_pages: int):

@@ -94,11 +94,20 @@ class Engine:
                buckets: BucketTable, tokenizer=None, eos_token_ids: Sequence[int] = (),
                max_model_len: int = 1 << 30, prefix_cache: bool = False,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
-               drafter=None, draft_policy=None, step_model=None):
+               drafter=None, draft_policy=None, step_model=None,
+               max_retained_requests: int = 10_000, max_step_records: int = 100_000):
     """drafter / draft_policy: speculative decoding (runtime.speculative); drafts are
     verified in the next target step. step_model: a StepTimeModel (e.g. an
     AffineStepModel fitted to measured steps) for deadline-aware admission; the simulated
-    executor's own model by default."""
+    executor's own model by default. max_retained_requests / max_step_records: finished
+    requests and step records kept for metrics(); older ones are dropped (never an
+    unfinished request), so a long-running engine's memory stays flat."""
+    if max_retained_requests < 1 or max_step_records < 1:
+      raise ValueError(f"max_retained_requests ({max_retained_requests}) and "
+                       f"max_step_records ({max_step_records}) must be >= 1")
+    self.max_retained_requests = max_retained_requests
+    self.max_step_records = max_step_records
+    self._num_steps = 0
     self.executor = executor
     self.config = config
     self.buckets = buckets
@@ -353,7 +362,8 @@ class Engine:
     n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
     drafted = sum(len(s.draft) for s in f.plan.seqs)
     emitted_n = sum(n for _, n in emitted)
-    self.steps.append(StepRecord(len(self.steps), f.start, end - f.start, len(f.plan.seqs),
+    self._num_steps += 1
+    self.steps.append(StepRecord(self._num_steps - 1, f.start, end - f.start, len(f.plan.seqs),
                                  n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
                                  len(f.plan.preempted),
                                  [(s.request.request_id, s.num_tokens, s.is_prefill)
@@ -365,7 +375,26 @@ class Engine:
         last = j == len(r.output_token_ids) - 1
         events.append(TokenEvent(r.request_id, r.output_token_ids[j], r.logprobs[j], end,
                                  r.state.done and last, r.finish_reason if last else None))
+    self._trim()
     return self._take_failed() + events
+
+  def _trim(self) -> None:
+    """Drop the oldest step records and finished requests past their caps (amortized:
+    once 10% over, back down to the cap)."""
+    if len(self.steps) > self.max_step_records * 1.1:
+      del self.steps[:len(self.steps) - self.max_step_records]
+    excess = len(self.requests) - self.max_retained_requests
+    if excess <= self.max_retained_requests // 10:
+      return
+    drop = []
+    for rid, r in self.requests.items():  # insertion order: oldest first
+      if len(drop) >= excess:
+        break
+      if r.state.done:
+        drop.append(rid)
+    for rid in drop:
+      del self.requests[rid]
+      self.scheduler.forget(rid)
 
   def _take_failed(self) -> List[TokenEvent]:
     out, self._failed = self._failed, []

@@ -132,6 +132,10 @@ class Scheduler:
   def next_arrival(self) -> Optional[float]:
     return min((r.arrival_time for r in self.waiting), default=None)
 
+  def forget(self, request_id) -> None:
+    """Drop what the scheduler keeps of a finished request (its ordering key)."""
+    self._key.pop(request_id, None)
+
   def abort(self, r: Request, now: float) -> None:
     """Stop scheduling at once; pages return once in-flight steps complete (8.3.2)."""
     self._stop(r, State.CANCELLED, "abort", now)

@@ -8,7 +8,8 @@ x86 machine (per-op profile in the README's performance section):
   over [K, R, S, G, H] rather than as dots: XLA:CPU then fuses the page gather into the
   reductions, so no gathered copy of the KV is written and read back (a G-row dot per
   (head, request), the reference's form, also runs 4-5x under XLA:CPU's dot peak).
-- Pages are gathered in blocks of `block_pages` with an online softmax (the Pallas
+- With more than MAX_DOT_FORM_SLOTS decode slots, pages are gathered in blocks (about
+  BLOCK_TOKENS tokens over all slots) with an online softmax (the Pallas
   kernel's algorithm, in XLA ops) under a loop whose trip count is the step's longest
   real context, not the bucket's page count: a decode step reads only the pages its
   requests hold, and each gathered block stays in cache between the gather and the dots.
@@ -29,7 +30,17 @@ from pallas_kernels import kv_codec
 from pallas_kernels.paged_attention import reference
 
 _NEG = -1e30
-BLOCK_PAGES = 8  # pages per gathered block: 128 tokens at page_size 16 (measured 2-16)
+# Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
+# R=16 -> 32, R=4 -> 128 (measured on SmolLM2's shapes: below this the loop's per-block
+# overhead dominates, above it the gathered block leaves the cache).
+BLOCK_TOKENS = 8192
+# Up to this many decode slots the reference's one-gather dot form is faster (measured:
+# R=1 at 1024 context 16.6 vs 21.9 ms over 30 layers; R=4: 47 vs 39 ms).
+MAX_DOT_FORM_SLOTS = 2
+
+
+def block_pages_for(num_slots: int, page_size: int, pages: int) -> int:
+  return max(1, min(pages, BLOCK_TOKENS // (num_slots * page_size)))
 
 
 def _gather_block(pool, fmt, layer, page_ids, dtype):
@@ -59,7 +70,7 @@ def _gather_block(pool, fmt, layer, page_ids, dtype):
 
 
 def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, scale,
-                     block_pages: int = BLOCK_PAGES):
+                     block_pages=None):
   """One new token per slot. q [R, N, H], k_new / v_new [R, K, H] (the slot's own token,
   attended after its cached_len [R] cached tokens), page_table [R, P] -> [R, N, H] f32."""
   R, N, H = q.shape
@@ -76,6 +87,8 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
   l = jnp.ones_like(m)
   o = jnp.broadcast_to(vn[:, :, None, :], (K, R, G, H))
 
+  if block_pages is None:
+    block_pages = block_pages_for(R, ps, page_table.shape[1])
   B = max(1, min(block_pages, page_table.shape[1]))
   P = -(-page_table.shape[1] // B) * B
   pt = jnp.pad(page_table, ((0, 0), (0, P - page_table.shape[1])))
@@ -107,7 +120,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
                            sm_scale=None, q_precision: str = "native",
-                           block_pages: int = BLOCK_PAGES):
+                           block_pages=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py."""
   T, N, H = q.shape
   R = page_table.shape[0]
@@ -116,7 +129,12 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
   out = jnp.zeros((T, N, H), jnp.float32)
   Rd = R - Rp
-  if Rd:
+  if Rd and Rd <= MAX_DOT_FORM_SLOTS and block_pages is None:
+    o, flat = reference.attend_group(q, k_new, v_new, pool, layer, page_table[:Rd],
+                                     query_start[:Rd], query_len[:Rd], cached_len[:Rd], 1,
+                                     scale)
+    out = out.at[flat].set(o, mode="drop")
+  elif Rd:
     qi = jnp.clip(query_start[:Rd], 0, T - 1)
     o = decode_attention(q[qi], k_new[qi], v_new[qi], pool, layer, page_table[:Rd],
                          cached_len[:Rd], scale=scale, block_pages=block_pages)
