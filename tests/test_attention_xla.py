@@ -52,9 +52,11 @@ def test_padding_slots_and_q_precision():
     _check(args, [r for r in reqs if r[1]], 2, qp)
 
 
-@pytest.mark.parametrize("reqs", [[(100, 1)], [(33, 1), (70, 1), (9, 5)]])
-def test_few_decode_slots_use_the_dot_form(reqs):
-  """At most MAX_DOT_FORM_SLOTS decode slots take the reference's one-gather form."""
+@pytest.mark.parametrize("reqs", [[(100, 1)], [(33, 1), (70, 1), (9, 5)], [(0, 16)],
+                                  [(20, 1), (0, 12), (0, 3)]])
+def test_few_decode_slots_and_fresh_prompts(reqs):
+  """At most MAX_DOT_FORM_SLOTS decode slots take the reference's one-gather form;
+  prefill slots none of which has cached tokens skip the cached part."""
   assert sum(n == 1 for _, n in reqs) <= xla.MAX_DOT_FORM_SLOTS
   rng = np.random.default_rng()
   _check(make_case(rng, "bf16", 16, 9, 3, 64, reqs), reqs, block_pages=None)

@@ -146,7 +146,7 @@ def main(argv):
 
   pre = []
   costs = ModelCosts(cfg, 4.0, "f32", ps)
-  for n in (int(x) for x in FLAGS.prefill_lens):
+  for n in (int(x) for x in FLAGS.prefill_lens if x):
     step, num_pages = bm.uniform_step(1, 0, n, ps)
     ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=FLAGS.attention)
     t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))

@@ -17,6 +17,8 @@ x86 machine (per-op profile in the README's performance section):
   "fill" mode adds a select to every element).
 - Slots with several new tokens (prefill chunks, verify windows) go through the
   reference's grouped computation: their query rows make the dots large enough already.
+  When none of them has cached tokens (fresh prompts), the cached part is skipped
+  instead of computed over the bucket's page width and masked.
 
 Masked keys are dropped from the softmax and their V rows zeroed, so stale pages that
 hold NaN never contribute (tested with NaN-poisoned pools like the other two).
@@ -142,8 +144,16 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
     out = out.at[flat].set(o, mode="drop")
   if Rp:
     sl = slice(Rd, R)
-    o, flat = reference.attend_group(q, k_new, v_new, pool, layer, page_table[sl],
-                                     query_start[sl], query_len[sl], cached_len[sl],
-                                     max_query_len, scale)
+    qs, ql, cl = query_start[sl], query_len[sl], cached_len[sl]
+
+    def with_cache():
+      return reference.attend_group(q, k_new, v_new, pool, layer, page_table[sl], qs, ql,
+                                    cl, max_query_len, scale)
+
+    def fresh():  # no slot has cached tokens (a new prompt): skip the bucket's page width
+      return reference.attend_group(q, k_new, v_new, pool, layer, page_table[sl, :1], qs,
+                                    ql, cl, max_query_len, scale)
+
+    o, flat = jax.lax.cond(jnp.max(cl) > 0, with_cache, fresh)
     out = out.at[flat].set(o, mode="drop")
   return out
