@@ -83,6 +83,12 @@ class LLM:
     reserves pages) admits more requests."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
+    for name, v in (("page_size", page_size), ("num_pages", num_pages),
+                    ("num_draft", num_draft)):  # checked before the (slow) model load
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+      raise ValueError(f"max_model_len must be an integer >= 2 or None, got {max_model_len!r}")
     # `model`: a name or path, or an already loaded model (LoadedModel).
     self.model = model if isinstance(model, LoadedModel) else load_model(
         model, dtype, scan_layers=scan_layers)

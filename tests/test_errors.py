@@ -146,3 +146,24 @@ def test_cli_argument_errors_are_one_line_and_exit_2_before_loading(args, words,
   assert out.returncode == 2, err
   assert err.startswith("error: ") and words in err and "\n" not in err
   assert not list(tmp_path.iterdir())  # no model was loaded (a load converts into the cache)
+
+
+def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.llm import LLM
+  from jaxinfer.runtime.engine import Engine
+  eng = Engine(SimExecutor(AffineStepModel(), num_pages=16, page_size=4),
+               buckets=BucketTable.default(max_tokens=16, max_requests=2, max_pages=8))
+  sp = SamplingParams(max_tokens=2)
+  for kw, words in [(dict(priority=None), "priority must be an integer"),
+                    (dict(arrival_time=float("nan")), "arrival_time must be a finite"),
+                    (dict(deadline_s=float("inf")), "deadline_s must be a finite"),
+                    (dict(deadline_s=0.0), "deadline_s must be > 0")]:
+    with pytest.raises(ValueError, match=words):
+      eng.add_request([1, 2], sp, **kw)
+  assert not eng.requests and not eng.scheduler.has_work()
+  for kw, words in [(dict(page_size=0), "page_size must be an integer >= 1, got 0"),
+                    (dict(num_pages=-3), "num_pages must be"),
+                    (dict(max_model_len=1), "max_model_len must be")]:
+    with pytest.raises(ValueError, match=words):
+      LLM("no-such-model-is-loaded", **kw)  # fails before any load is tried

@@ -88,3 +88,43 @@ def test_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
   monkeypatch.setattr(quants, "dequantize", refuse)
   with pytest.raises(ModelLoadError, match="has type Q8_0.*re-export"):
     gguf_loader.load_gguf(path)
+
+
+@pytest.fixture
+def no_tokenizer(monkeypatch):
+  """The tiny test GGUF carries no tokenizer: load it with none."""
+  from jaxinfer.loading import tokenizer
+  monkeypatch.setattr(tokenizer, "tokenizer_from_gguf", lambda reader: None)
+
+
+def test_weights_with_nan_are_rejected_naming_the_tensor(tmp_path, no_tokenizer):
+  """A damaged file produced NaN logits and all-zero tokens with exit code 0."""
+  import gguf
+  from jaxinfer.loading import load_model
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "F32")
+  t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+  with open(path, "r+b") as f:
+    f.seek(t.data_offset + 40)
+    f.write(np.full(8, np.nan, np.float32).tobytes())
+  with pytest.raises(ModelLoadError, match=r"weight .*up.* holds NaN or Inf"):
+    load_model(path, cache_dir=str(tmp_path / "cache"))
+
+
+def test_damaged_converted_cache_is_converted_again(tmp_path, caplog, no_tokenizer):
+  """Truncated or overwritten tensor data in the converted-weight cache: a warning and a
+  fresh conversion (the user was stuck until they deleted the entry by hand)."""
+  import os
+  from jaxinfer.loading import load_model
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "F32")
+  cache = tmp_path / "cache"
+  want = load_model(path, cache_dir=str(cache))
+  files = sorted((p for p in cache.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+  with open(files[0], "r+b") as f:  # the largest data file: cut it in half
+    f.truncate(os.path.getsize(files[0]) // 2)
+  got = load_model(path, cache_dir=str(cache))
+  assert "converting again" in caplog.text
+  import jax
+  for a, b in zip(jax.tree_util.tree_leaves(want.params), jax.tree_util.tree_leaves(got.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -78,6 +78,14 @@ def default_cache_dir() -> str:
                                                          "jaxinfer"))
 
 
+def non_finite_weight(params) -> Optional[str]:
+  """The name of the first tensor holding NaN or Inf, or None (one pass over the weights)."""
+  for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not bool(jnp.isfinite(a).all()):
+      return jax.tree_util.keystr(path)
+  return None
+
+
 def _to_device(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a), dtype), params)
 
@@ -119,9 +127,15 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):
       try:
         params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)
+        bad = non_finite_weight(params)
+        if bad:
+          raise ValueError(f"weight {bad} holds NaN or Inf")
         log.info("restored converted weights from %s", ckpt_dir)
-      except (ValueError, OSError) as e:  # damaged or foreign cache: convert again
-        log.warning("ignoring unusable converted weights in %s: %s", ckpt_dir, e)
+      except Exception as e:  # noqa: BLE001 -- any damage (missing key, truncated or
+        # flipped data, a foreign layout) means: warn and convert again
+        params = None
+        log.warning("ignoring unusable converted weights in %s (%s: %s); converting again",
+                    ckpt_dir, type(e).__name__, e)
     if params is None:
       raw, cfg, _ = gguf_loader.load_gguf(path, name)
       params = _to_device(raw, jdtype)
@@ -132,6 +146,10 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
           log.warning("could not cache converted weights in %s: %s", ckpt_dir, e)
   else:
     raise ModelLoadError(f"{path!r} is neither a .gguf file nor a model directory")
+  bad = non_finite_weight(params)
+  if bad:
+    raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
+                         "damaged (it would generate NaN logits)")
   params = stack_layers(params) if scan_layers else unstack_layers(params)
   log.info("loaded %s (%s, %s) in %.2fs", cfg.name, path, dtype, time.perf_counter() - t0)
   return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 import threading
 import time
@@ -159,6 +160,14 @@ class Engine:
     self._check_owner()
     sampling = sampling or SamplingParams()
     ids = self.validate_request(prompt_token_ids, sampling)
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+      raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+    for name, v in (("arrival_time", arrival_time), ("deadline_s", deadline_s)):
+      if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                            or not math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number or None, got {v!r}")
+    if deadline_s is not None and deadline_s <= 0:
+      raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
     if request_id is None:
       request_id = self._next_id
       self._next_id += 1
