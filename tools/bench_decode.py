@@ -30,7 +30,8 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["256", "1024", "4096"], "cached tokens per request")
 flags.DEFINE_list("prefill_lens", ["128", "512"], "prompt lengths of the prefill rows")
 flags.DEFINE_list("kv_formats", ["f32"], "KV formats to run the decode grid in")
-flags.DEFINE_enum("attention", "xla", ["xla", "reference", "pallas"], "attention backend")
+flags.DEFINE_list("attention", ["xla"], "attention backends (xla, reference, pallas); with "
+                  "several, each cell runs them back to back, so they share the machine's state")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -96,6 +97,9 @@ def main(argv):
   from jaxinfer.kv import bytes_per_token
   from jaxinfer.loading import load_model
 
+  for backend in FLAGS.attention:
+    if backend not in ("xla", "reference", "pallas"):
+      raise app.UsageError(f"--attention: unknown backend {backend!r}")
   batches = [int(b) for b in FLAGS.batch_sizes]
   contexts = [int(c) for c in FLAGS.contexts]
   ps = 16
@@ -105,7 +109,7 @@ def main(argv):
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
-        f"{FLAGS.attention}", flush=True)
+        f"{','.join(FLAGS.attention)}", flush=True)
   hf = hf_model(m.source) if FLAGS.hf else None
   rates = {}
 
@@ -125,56 +129,59 @@ def main(argv):
           skipped.append(f"{kv_format} batch {B} context {ctx}: pool {pool_gib:.1f} GiB")
           continue
         step, num_pages = bm.uniform_step(B, ctx, 1, ps)
-        ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
-                         kv_format=kv_format, backend=FLAGS.attention)
-        t = bm.time_step(ex, step, FLAGS.repeats)
-        del ex
         seqs = [(1, ctx)] * B
         bw_floor = costs.step_bytes(seqs) / bw
         c_floor = costs.step_flops(seqs) / rate(B, B)
-        r = {"kv_format": kv_format, "batch": B, "context": ctx, "step_ms": 1e3 * t,
-             "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
-             "compute_floor_ms": 1e3 * c_floor,
-             "over_floor": t / max(bw_floor, c_floor), "hf_step_ms": None, "over_hf": None}
+        th = None
         if hf is not None and kv_format == "f32":
           th = hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
-          r.update(hf_step_ms=1e3 * th, over_hf=th / t)
-        rows.append(r)
-        print(f"decode {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
-              f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
-              file=sys.stderr, flush=True)
+        for backend in FLAGS.attention:
+          ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
+                           kv_format=kv_format, backend=backend)
+          t = bm.time_step(ex, step, FLAGS.repeats)
+          del ex
+          r = {"attention": backend, "kv_format": kv_format, "batch": B, "context": ctx,
+               "step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
+               "compute_floor_ms": 1e3 * c_floor, "over_floor": t / max(bw_floor, c_floor),
+               "hf_step_ms": None if th is None else 1e3 * th,
+               "over_hf": None if th is None else th / t}
+          rows.append(r)
+          print(f"decode {backend} {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
+                f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
+                file=sys.stderr, flush=True)
 
   pre = []
   costs = ModelCosts(cfg, 4.0, "f32", ps)
   for n in (int(x) for x in FLAGS.prefill_lens if x):
     step, num_pages = bm.uniform_step(1, 0, n, ps)
-    ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=FLAGS.attention)
-    t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
-    del ex
     flops = costs.step_flops([(n, 0)])
-    r = {"tokens": n, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
-         "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
-         "compute_floor_ms": 1e3 * flops / rate(n, 1), "hf_ms": None, "over_hf": None}
-    if hf is not None:
-      th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2))
-      r.update(hf_ms=1e3 * th, over_hf=th / t)
-    pre.append(r)
+    th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None else None
+    for backend in FLAGS.attention:
+      ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
+      t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
+      del ex
+      pre.append({"attention": backend, "tokens": n, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
+                  "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
+                  "compute_floor_ms": 1e3 * flops / rate(n, 1),
+                  "hf_ms": None if th is None else 1e3 * th,
+                  "over_hf": None if th is None else th / t})
 
   print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
         "'x HF' = HF step / ours")
-  print(f"{'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} {'bw floor':>9} "
-        f"{'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6}")
+  print(f"{'attention':>9} {'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} "
+        f"{'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6}")
   for r in rows:
-    print(f"{r['kv_format']:>5} {r['batch']:>5} {r['context']:>5} {r['step_ms']:>9.1f} "
+    print(f"{r['attention']:>9} {r['kv_format']:>5} {r['batch']:>5} {r['context']:>5} "
+          f"{r['step_ms']:>9.1f} "
           f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
           f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
   for s in skipped:
     print(f"skipped (--max_pool_gib={FLAGS.max_pool_gib:g}): {s}")
   print("\nprefill, one request (ms)")
-  print(f"{'tokens':>6} {'jaxinfer':>9} {'GFLOP/s':>8} {'of matmul rate':>14} {'cmp floor':>9} "
-        f"{'HF':>8} {'x HF':>6}")
+  print(f"{'attention':>9} {'tokens':>6} {'jaxinfer':>9} {'GFLOP/s':>8} {'of matmul rate':>14} "
+        f"{'cmp floor':>9} {'HF':>8} {'x HF':>6}")
   for r in pre:
-    print(f"{r['tokens']:>6} {r['ms']:>9.1f} {r['gflop_s']:>8.1f} {r['of_step_matmul_rate']:>14.2f} "
+    print(f"{r['attention']:>9} {r['tokens']:>6} {r['ms']:>9.1f} {r['gflop_s']:>8.1f} {r['of_step_matmul_rate']:>14.2f} "
           f"{r['compute_floor_ms']:>9.1f} {_fmt(r['hf_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
 
   if FLAGS.output_dir:
@@ -194,8 +201,12 @@ def _figure(rows, path):
                            squeeze=False)
   for ax, ctx in zip(axes[0], ctxs):
     rs = [r for r in rows if r["context"] == ctx and r["kv_format"] == "f32"]
+    for backend in dict.fromkeys(r["attention"] for r in rs):
+      mine = [r for r in rs if r["attention"] == backend]
+      ax.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], "o-",
+              label=f"jaxinfer ({backend})")
+    rs = [r for r in rs if r["attention"] == rs[0]["attention"]]
     b = [r["batch"] for r in rs]
-    ax.plot(b, [r["step_ms"] for r in rs], "o-", label="jaxinfer")
     if any(r["hf_step_ms"] for r in rs):
       ax.plot(b, [r["hf_step_ms"] for r in rs], "s-", label="HF transformers")
     ax.plot(b, [max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) for r in rs], "k--",
