@@ -136,6 +136,11 @@ class LLM:
       return list(prompt)
     if self.tokenizer is None:
       raise ValueError(f"model {self.cfg.name!r} has no tokenizer: pass prompts as token ids")
+    try:
+      prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # e.g. a lone surrogate from a bad decode upstream
+      raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character "
+                       f"{e.start} ({prompt[e.start:e.end]!r})") from None
     if chat:
       prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return self.tokenizer.encode(prompt)

@@ -128,3 +128,31 @@ def test_damaged_converted_cache_is_converted_again(tmp_path, caplog, no_tokeniz
   import jax
   for a, b in zip(jax.tree_util.tree_leaves(want.params), jax.tree_util.tree_leaves(got.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_converted_cache_is_keyed_by_content_and_shared_by_concurrent_loads(tmp_path,
+                                                                           no_tokenizer):
+  """Two copies of one GGUF share a cache entry (the key held the absolute path and
+  mtime: every venv added a copy); two processes converting at once both succeed (one
+  crashed on orbax's 'Configuration mismatch'); no temporary directory is left."""
+  import os
+  import shutil
+  import subprocess
+  import sys
+  a = str(tmp_path / "a" / "tiny.gguf")
+  os.makedirs(os.path.dirname(a))
+  write_llama_gguf(a, "F32")
+  b = str(tmp_path / "b.gguf")
+  shutil.copy(a, b)
+  cache = tmp_path / "cache"
+  code = ("import sys\n"
+          "from jaxinfer.loading import tokenizer, load_model\n"
+          "tokenizer.tokenizer_from_gguf = lambda reader: None\n"
+          f"load_model(sys.argv[1], cache_dir={str(cache)!r})\n"
+          "print('ok')\n")
+  procs = [subprocess.Popen([sys.executable, "-c", code, p], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for p in (a, b)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+  entries = [p.name for p in cache.iterdir()]
+  assert len(entries) == 1 and not entries[0].startswith("."), entries

@@ -67,10 +67,37 @@ PARAMS_LAYOUT_VERSION = 1
 
 
 def _cache_key(path: str, dtype_name: str) -> str:
-  st = os.stat(path)
-  h = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{dtype_name}:"
-                   f"v{PARAMS_LAYOUT_VERSION}".encode())
-  return h.hexdigest()[:16]
+  """From the file's content (not its path or mtime): every copy of the same GGUF, in any
+  virtual environment, shares one converted entry."""
+  h = hashlib.sha256(f"{dtype_name}:v{PARAMS_LAYOUT_VERSION}:".encode())
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      h.update(block)
+  return h.hexdigest()[:20]
+
+
+def _save_converted(ckpt_dir: str, params, cfg) -> None:
+  """Write into a private temporary directory, then rename it into place: a reader never
+  sees a half-written entry, and when two processes convert at once the first rename
+  wins and the other discards its copy (both loads succeed)."""
+  import shutil
+  import tempfile
+  from jaxinfer.loading import checkpoint
+  parent = os.path.dirname(ckpt_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".converting-", dir=parent)
+  try:
+    checkpoint.save_checkpoint(tmp, params, cfg)
+    try:
+      os.rename(tmp, ckpt_dir)
+      tmp = None
+    except OSError:
+      if not checkpoint.is_checkpoint(ckpt_dir):
+        raise
+      log.info("another process cached %s first; using its entry", ckpt_dir)
+  finally:
+    if tmp is not None:
+      shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_cache_dir() -> str:
@@ -140,8 +167,11 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
       raw, cfg, _ = gguf_loader.load_gguf(path, name)
       params = _to_device(raw, jdtype)
       if use_cache:
+        if os.path.isdir(ckpt_dir):  # the damaged entry found above
+          import shutil
+          shutil.rmtree(ckpt_dir, ignore_errors=True)
         try:
-          checkpoint.save_checkpoint(ckpt_dir, params, cfg)
+          _save_converted(ckpt_dir, params, cfg)
         except OSError as e:  # a read-only home must not stop a load
           log.warning("could not cache converted weights in %s: %s", ckpt_dir, e)
   else:
