@@ -1,0 +1,168 @@
+"""A stateful property test over the whole scheduler on the simulated executor: random
+arrivals with shared prefixes, aborts (also between launch and finish), tiny pools with
+reserve="none" (preemption) or "end", the prefix cache with a host tier, speculative
+verification with random acceptance (rollback), and injected step faults.
+
+After every rule the page invariants hold (every page free, pending or referenced
+exactly as the page tables and the prefix cache say); at the end every request has
+finished, been aborted or failed, and every page not held by the prefix cache is free.
+About 10^4 rules per run (hypothesis: max_examples x stateful_step_count).
+"""
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.executors.base import StepResult
+from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+from jaxinfer.runtime.engine import Engine, RequestTooLargeError
+from jaxinfer.runtime.scheduler import SchedulerConfig
+from jaxinfer.runtime.speculative import DraftLengthPolicy, NgramDrafter
+
+NUM_PAGES, PAGE = 24, 4
+COUNTS = {"runs": 0, "engine_steps": 0, "requests": 0}
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []]
+
+
+class FlakySim(SimExecutor):
+  """The simulator with launch / collect, a fault on demand and exact verification of
+  a drafted token when it equals the executor's token (rollback otherwise)."""
+
+  def __init__(self, acceptance):
+    super().__init__(AffineStepModel(), num_pages=NUM_PAGES, page_size=PAGE,
+                     acceptance=acceptance, seed=0)
+    self.fail_next = None  # "launch" | "collect" | None
+    self.faulted = None  # request ids of the step that last raised
+
+  def launch(self, step, plan):
+    if self.fail_next == "launch":
+      self.fail_next = None
+      self.faulted = {s.request.request_id for s in plan.seqs}
+      raise RuntimeError("injected launch fault")
+    return plan, self.execute(step, plan)
+
+  def collect(self, handle) -> StepResult:
+    plan, result = handle
+    if self.fail_next == "collect":
+      self.fail_next = None
+      self.faulted = {s.request.request_id for s in plan.seqs}
+      raise RuntimeError("injected collect fault")
+    return result
+
+
+class EngineMachine(RuleBasedStateMachine):
+
+  @initialize(reserve=st.sampled_from(["none", "end"]),
+              policy=st.sampled_from(["continuous", "chunked"]),
+              host=st.sampled_from([0, 8]), speculate=st.booleans(),
+              acceptance=st.sampled_from([0.0, 0.6]))
+  def setup(self, reserve, policy, host, speculate, acceptance):
+    self.ex = FlakySim(acceptance)
+    cfg = SchedulerConfig(policy, max_running=4, token_budget=16, chunk_size=8,
+                          reserve=reserve)
+    self.eng = Engine(self.ex, cfg, buckets=BucketTable.default(32, 8, NUM_PAGES),
+                      prefix_cache=True, host_cache_pages=host,
+                      drafter=NgramDrafter() if speculate else None,
+                      draft_policy=DraftLengthPolicy(3) if speculate else None)
+    self.ids = []
+    self.in_flight = None
+
+  @rule(prefix=st.sampled_from(range(len(PREFIXES))),
+        tail=st.lists(st.integers(1, 12), min_size=1, max_size=12),
+        max_tokens=st.integers(1, 10))
+  def add(self, prefix, tail, max_tokens):
+    try:
+      r = self.eng.add_request(PREFIXES[prefix] + tail,
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    except RequestTooLargeError:
+      return
+    self.ids.append(r.request_id)
+
+  def _check_fault(self, events):
+    """A step that raised fails exactly its requests (those not already finished), each
+    with one error event; no other request fails."""
+    failed = [e.request_id for e in events if e.finish_reason == "error"]
+    assert len(failed) == len(set(failed))
+    faulted, self.ex.faulted = self.ex.faulted, None
+    if faulted is None:
+      assert not failed
+      return
+    assert set(failed) <= faulted
+    for rid in faulted:
+      assert self.eng.requests[rid].state.done
+    for rid in failed:
+      assert self.eng.requests[rid].finish_reason == "error"
+
+  @precondition(lambda self: self.in_flight is None)
+  @rule()
+  def step(self):
+    self._check_fault(self.eng.step())
+
+  @precondition(lambda self: self.in_flight is None)
+  @rule()
+  def launch(self):
+    self.in_flight = self.eng.launch()
+    if self.in_flight is None:
+      self._check_fault(self.eng.step() if self.ex.faulted else [])
+
+  @precondition(lambda self: self.in_flight is not None)
+  @rule()
+  def finish(self):
+    self._check_fault(self.eng.finish(self.in_flight))
+    self.in_flight = None
+
+  @precondition(lambda self: self.ids)
+  @rule(i=st.integers(0, 1000))
+  def abort(self, i):
+    self.eng.abort(self.ids[i % len(self.ids)])  # also while a step is in flight
+
+  @rule(where=st.sampled_from(["launch", "collect"]))
+  def inject_fault(self, where):
+    self.ex.fail_next = where
+
+  @invariant()
+  def pages_consistent(self):
+    if hasattr(self, "eng"):
+      self.eng.pm.check_invariants(self.eng.cache.owned_refs())
+
+  def teardown(self):
+    if not hasattr(self, "eng"):
+      return
+    if self.in_flight is not None:
+      self.eng.finish(self.in_flight)
+    self.ex.fail_next = None
+    for _ in range(2000):
+      if not self.eng.has_unfinished():
+        break
+      self.eng.step()
+    assert not self.eng.has_unfinished()
+    reasons = {r.finish_reason for r in self.eng.requests.values()}
+    assert reasons <= {"length", "abort", "error"}, reasons
+    for r in self.eng.requests.values():
+      if r.finish_reason == "length":
+        assert len(r.output_token_ids) == r.sampling.max_tokens
+    held = self.eng.cache.owned_refs()
+    self.eng.pm.check_invariants(held)
+    assert self.eng.pm.num_free + len(held) == NUM_PAGES  # nothing leaked or pending
+    COUNTS["runs"] += 1
+    COUNTS["engine_steps"] += self.eng._num_steps
+    COUNTS["requests"] += len(self.eng.requests)
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=1000, stateful_step_count=60, deadline=None, derandomize=True,
+    suppress_health_check=list(HealthCheck))
+TestEngineProperties = EngineMachine.TestCase
+
+
+
+def test_the_property_run_drove_ten_thousand_scheduler_steps():
+  """Runs after TestEngineProperties (file order): the machine above really stepped the
+  engine that often, not just drew rules."""
+  if COUNTS["runs"] == 0:
+    import pytest
+    pytest.skip("run together with TestEngineProperties")
+  print("property run:", COUNTS)
+  assert COUNTS["engine_steps"] >= 10_000, COUNTS
