@@ -119,3 +119,35 @@ def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
     assert eng.drafter.pm.num_free == eng.drafter.pm.num_pages  # its KV released too
   eng.pm.check_invariants()
   assert eng.pm.num_free == eng.pm.num_pages
+
+
+def test_warm_speculative_engine_with_prefix_hits_and_host_tier_never_recompiles(smollm2):
+  """Warm-up covers every shape the configuration runs: verify steps (logits at every
+  token), the early-exit draft steps, and the host tier's page copies; a mixed run with
+  prefix hits, evictions to the host tier and verified drafts then compiles nothing."""
+  from jaxinfer import step as step_mod
+  from jaxinfer.executors.drafters import make_drafter
+  from jaxinfer.runtime import speculative
+  table = BucketTable(token_sizes=(8, 16), request_sizes=(2,), page_sizes=(8,))
+  ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=12, page_size=8)
+  eng = Engine(ex, SchedulerConfig("chunked", 2, 16, 8), buckets=table, prefix_cache=True,
+               host_cache_pages=8, drafter=make_drafter("early_exit", early_exit_layers=10),
+               draft_policy=speculative.DraftLengthPolicy(num_draft=3))
+  eng.warmup()
+  # page copies and host-tier moves compile per power-of-two count: warm the small ones
+  for n in (1, 2, 4):
+    ex.copy_pages([(0, 1)] * n)
+    ex.offload_pages([(0, 100 + i) for i in range(n)])
+    ex.fetch_pages([(100 + i, 1) for i in range(n)])
+  jitted = (step_mod.model_step, step_mod.draft_step, step_mod.copy_pages_jit,
+            step_mod.read_pages_jit, step_mod.write_pages_jit)
+  before = [f._cache_size() for f in jitted]
+  shared = smollm2.tokenizer.encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,")
+  sp = SamplingParams(max_tokens=6, ignore_eos=True)
+  for i in range(5):
+    eng.add_request(shared + [100 + i], sp)
+    eng.step()
+  eng.run()
+  assert eng.cache.stats.device_hit_tokens + eng.cache.stats.host_hit_tokens > 0
+  assert sum(r.spec_rounds for r in eng.requests.values()) > 0
+  assert [f._cache_size() for f in jitted] == before, "a warm engine compiled a new shape"

@@ -33,6 +33,21 @@ class EarlyExitDrafter:
                        f"got {self.num_layers}")
     self.engine = engine
 
+  def warmup(self, buckets) -> float:
+    """Compile the draft step at every decode-only bucket (what propose() packs)."""
+    import time
+    import jax
+    from jaxinfer.executors.jax_executor import dummy_inputs
+    t0 = time.perf_counter()
+    ex = self.engine.executor
+    for b in buckets:
+      if b.prefill_slots == 0 and b.num_logits == b.num_requests:
+        _, ex.pool = draft_step(ex.params, ex.pool, dummy_inputs(b, ex.num_pages), cfg=ex.cfg,
+                                attn_shape=b.attn_shape, backend=ex.backend,
+                                num_layers=self.num_layers)
+    jax.block_until_ready(ex.pool)
+    return time.perf_counter() - t0
+
   def propose(self, requests, lengths) -> Dict[object, List[int]]:
     eng = self.engine
     pm, ex = eng.pm, eng.executor
@@ -137,6 +152,11 @@ class DraftModelDrafter:
     if self.pm.has(r.request_id):
       self.pm.free(r.request_id)
     self._seq.pop(r.request_id, None)
+
+  def warmup(self, buckets) -> float:
+    """The draft model's own executables at every non-verify bucket (catch-up prefill
+    chunks and one-token drafting steps use the engine's table)."""
+    return self.executor.warmup([b for b in buckets if b.num_logits == b.num_requests])
 
   # --- drafting -------------------------------------------------------------------------------
   def _run(self, works):

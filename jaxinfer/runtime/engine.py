@@ -283,11 +283,18 @@ class Engine:
     return self.scheduler.has_work() or self._in_flight is not None
 
   def warmup(self) -> float:
-    """Compile every bucket of the table ahead of time (real executors); seconds spent.
-    With the persistent compilation cache a second process mostly reloads them."""
+    """Compile every shape this configuration can run ahead of time (real executors): the
+    table's buckets, with a drafter also the verify shapes and the drafter's own steps
+    (early-exit draft steps, a draft model's executables). Seconds spent; with the
+    persistent compilation cache a second process mostly reloads them."""
     if self.executor.virtual_clock:
       return 0.0
-    return self.executor.warmup(list(self.buckets.all_buckets()))
+    speculative = self.drafter is not None
+    buckets = list(self.buckets.all_buckets(verify=speculative))
+    t = self.executor.warmup(buckets)
+    if speculative:  # verify shapes above; the drafter's own steps here
+      t += self.drafter.warmup(buckets)
+    return t
 
   # --- steps ---------------------------------------------------------------------------------
   def launch(self) -> Optional[InFlight]:

@@ -24,6 +24,9 @@ class Drafter(Protocol):
               ) -> Dict[object, List[int]]:
     """Up to lengths[request_id] draft tokens per request."""
 
+  def warmup(self, buckets) -> float:
+    """Compile what drafting runs at these (non-verify) bucket shapes; seconds spent."""
+
 
 @dataclasses.dataclass
 class NgramDrafter:
@@ -33,6 +36,9 @@ class NgramDrafter:
   max_ngram: int = 4
   min_ngram: int = 1
   name: str = "ngram"
+
+  def warmup(self, buckets) -> float:
+    return 0.0  # host-side: nothing to compile
 
   def propose(self, requests, lengths):
     out = {}
@@ -61,6 +67,9 @@ class FixedDrafter:
   """Proposes `token` m times (for the simulator, whose acceptance is modelled)."""
   token: int = 0
   name: str = "fixed"
+
+  def warmup(self, buckets) -> float:
+    return 0.0  # host-side: nothing to compile
 
   def propose(self, requests, lengths):
     return {r.request_id: [self.token] * lengths.get(r.request_id, 0) for r in requests}
