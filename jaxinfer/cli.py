@@ -97,12 +97,45 @@ def _generate():
       print(o.text)
 
 
-USAGE = "usage: python -m jaxinfer generate [--flags]   (--help lists the flags)"
+USAGE = ("usage: python -m jaxinfer generate [--flags]   (--help lists the flags)\n"
+         "       python -m jaxinfer cache list|clear   (converted weights, compiled steps)")
+
+
+def _cache(action: str) -> None:
+  """List or clear the caches under JAXINFER_CACHE (default ~/.cache/jaxinfer)."""
+  import json
+  import os
+  import shutil
+  from jaxinfer.loading.registry import default_cache_dir
+  root = default_cache_dir()
+  entries = sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+  def size(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+  if action == "list":
+    print(f"{root}:")
+    for e in entries:
+      path = os.path.join(root, e)
+      what = "compiled steps" if e == "xla" else "?"
+      cfg = os.path.join(path, "model_config.json")
+      if os.path.isfile(cfg):
+        with open(cfg) as f:
+          what = f"converted weights of {json.load(f).get('name', '?')}"
+      print(f"  {e}  {size(path) / 2**20:9.1f} MiB  {what}")
+    if not entries:
+      print("  (empty)")
+  else:
+    for e in entries:
+      shutil.rmtree(os.path.join(root, e), ignore_errors=True)
+    print(f"removed {len(entries)} entries from {root}")
 
 
 def _run(argv):
+  if len(argv) == 3 and argv[1] == "cache" and argv[2] in ("list", "clear"):
+    return _cache(argv[2])
   if len(argv) < 2 or argv[1] != "generate":
-    _usage_error(USAGE)
+    _usage_error(USAGE.replace("\n", " | "))
   if len(argv) > 2:
     _usage_error(f"unexpected arguments: {argv[2:]}")
   from absl import logging as absl_logging

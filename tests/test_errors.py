@@ -176,3 +176,19 @@ def test_lone_surrogate_prompt_is_a_clear_error(smollm2):
   with pytest.raises(ValueError, match="not valid Unicode"):
     llm.generate(["caf\udce9"], SamplingParams(max_tokens=2))
   assert not llm.engine.has_unfinished()
+
+
+def test_cache_list_and_clear(tmp_path):
+  entry = tmp_path / "abc123"
+  entry.mkdir()
+  (entry / "model_config.json").write_text('{"name": "tiny"}')
+  (tmp_path / "xla").mkdir()
+  (tmp_path / "xla" / "blob").write_bytes(b"x" * 4096)
+  env = {"JAXINFER_CACHE": str(tmp_path)}
+  out = _cli("cache", "list", env=env)
+  assert out.returncode == 0
+  text = out.stdout.decode()
+  assert "converted weights of tiny" in text and "compiled steps" in text
+  out = _cli("cache", "clear", env=env)
+  assert out.returncode == 0 and "removed 2 entries" in out.stdout.decode()
+  assert not list(tmp_path.iterdir())
