@@ -166,3 +166,80 @@ def test_the_property_run_drove_ten_thousand_scheduler_steps():
     pytest.skip("run together with TestEngineProperties")
   print("property run:", COUNTS)
   assert COUNTS["engine_steps"] >= 10_000, COUNTS
+
+
+class RealEngineMachine(EngineMachine):
+  """The same machine on a tiny random-weight model through the real JAX executor:
+  every request that ran to its length equals a plain full-recompute greedy decode."""
+
+  @initialize(reserve=st.sampled_from(["none", "end"]), host=st.sampled_from([0, 8]),
+              speculate=st.booleans())
+  def setup(self, reserve, host, speculate):
+    import jax
+    from jaxinfer.config import SMOLLM2_135M
+    from jaxinfer.executors.jax_executor import JaxExecutor
+    from jaxinfer.model.params import init_params
+
+    cfg = SMOLLM2_135M.replace(num_layers=2, hidden_size=64, intermediate_size=128,
+                               num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.5)  # well-separated logits
+
+    class FlakyJax(JaxExecutor):
+      fail_next = None
+      faulted = None
+
+      def launch(self, step, plan=None):
+        if self.fail_next == "launch":
+          self.fail_next = None
+          self.faulted = {s.request.request_id for s in plan.seqs}
+          raise RuntimeError("injected launch fault")
+        return plan, super().launch(step, plan)
+
+      def collect(self, handle):
+        plan, inner = handle
+        if self.fail_next == "collect":
+          self.fail_next = None
+          self.faulted = {s.request.request_id for s in plan.seqs}
+          raise RuntimeError("injected collect fault")
+        return super().collect(inner)
+
+    self.cfg, self.params = cfg, params
+    self.ex = FlakyJax(cfg, params, num_pages=NUM_PAGES, page_size=PAGE)
+    sched = SchedulerConfig("chunked", max_running=4, token_budget=16, chunk_size=8,
+                            reserve=reserve)
+    self.eng = Engine(self.ex, sched, buckets=REAL_TABLE, prefix_cache=True,
+                      host_cache_pages=host, eos_token_ids=(),
+                      drafter=NgramDrafter() if speculate else None,
+                      draft_policy=DraftLengthPolicy(3) if speculate else None)
+    self.ids = []
+    self.in_flight = None
+
+  def teardown(self):
+    super().teardown()
+    if not hasattr(self, "eng"):
+      return
+    COUNTS["real_runs"] = COUNTS.get("real_runs", 0) + 1
+    from helpers import recompute_greedy
+    for r in self.eng.requests.values():
+      if r.finish_reason == "length":
+        assert r.output_token_ids == recompute_greedy(self.cfg, self.params,
+                                                      r.prompt_token_ids,
+                                                      r.sampling.max_tokens), r.request_id
+        COUNTS["oracle_checked"] = COUNTS.get("oracle_checked", 0) + 1
+
+
+REAL_TABLE = BucketTable(token_sizes=(8, 16), request_sizes=(4,), page_sizes=(8,))
+RealEngineMachine.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=30, deadline=None, derandomize=True,
+    suppress_health_check=list(HealthCheck))
+TestRealEngineProperties = RealEngineMachine.TestCase
+
+
+def test_the_real_run_checked_outputs_against_the_oracle():
+  """Runs after TestRealEngineProperties: some requests did run to their length and were
+  compared with full recompute (a machine that only aborted would check nothing)."""
+  if not COUNTS.get("real_runs"):
+    import pytest
+    pytest.skip("run together with TestRealEngineProperties")
+  print("real property run:", COUNTS)
+  assert COUNTS.get("oracle_checked", 0) >= 10, COUNTS
