@@ -156,3 +156,40 @@ def test_converted_cache_is_keyed_by_content_and_shared_by_concurrent_loads(tmp_
   assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
   entries = [p.name for p in cache.iterdir()]
   assert len(entries) == 1 and not entries[0].startswith("."), entries
+
+
+def test_flipped_bytes_in_the_converted_cache_are_caught_by_the_checksum(tmp_path, caplog,
+                                                                        no_tokenizer):
+  """Overwritten bytes that still decode as finite numbers: the stored checksum catches
+  them, the entry is converted again and the weights equal the file's."""
+  from jaxinfer.loading import load_model
+  import jax
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "F32")
+  cache = tmp_path / "cache"
+  want = load_model(path, cache_dir=str(cache))
+  data = max((p for p in cache.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(range(64))
+  data.write_bytes(bytes(raw))
+  got = load_model(path, cache_dir=str(cache))
+  assert "converting again" in caplog.text, caplog.text[-2000:]
+  for a, b in zip(jax.tree_util.tree_leaves(want.params), jax.tree_util.tree_leaves(got.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoint_restore_verifies_its_checksum(tmp_path):
+  import jax
+  from jaxinfer.config import SMOLLM2_135M
+  from jaxinfer.loading import checkpoint
+  from jaxinfer.model.params import init_params
+  cfg = SMOLLM2_135M.replace(num_layers=2, hidden_size=64, intermediate_size=128,
+                             num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+  params = init_params(cfg, jax.random.PRNGKey(1))
+  d = str(tmp_path / "ck")
+  checkpoint.save_checkpoint(d, params, cfg)
+  checkpoint.restore_checkpoint(d, np.float32)  # intact: restores
+  crc, dtype = (tmp_path / "ck" / "checksum").read_text().split()
+  (tmp_path / "ck" / "checksum").write_text(f"{int(crc, 16) ^ 1:08x} {dtype}")
+  with pytest.raises(ModelLoadError, match="is damaged: its weights' checksum"):
+    checkpoint.restore_checkpoint(d, np.float32)
