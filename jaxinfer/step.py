@@ -59,9 +59,10 @@ def enable_compilation_cache(path: str | None = None) -> str:
   path = path or os.environ.get("JAXINFER_XLA_CACHE") or os.path.join(
       os.environ.get("JAXINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                        "jaxinfer"), "xla")
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  if jax.config.jax_compilation_cache_dir != path:  # once: every executor calls this
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
 
 
