@@ -3,6 +3,11 @@ import os
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache in the test processes: a long pytest process (hundreds
+# of executables) crashed twice inside XLA:CPU's executable serialization on a cache
+# write (jax 0.10.2: compilation_cache.put_executable_and_time -> serialize). Inherited by
+# the binaries the tests start. Set JAXINFER_XLA_CACHE yourself to override.
+os.environ.setdefault("JAXINFER_XLA_CACHE", "off")
 
 
 def _has(mod):
