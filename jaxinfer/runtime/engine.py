@@ -363,13 +363,14 @@ class Engine:
     self._in_flight = None
     sampled = [(result.packed[i, 0], result.packed[i, 1], bool(result.packed[i, 2]))
                for i in range(sum(s.num_logits for s in f.plan.seqs))]
-    row = 0
-    for s in f.plan.seqs:  # non-finite logits (damaged weights, overflow) fail the request
-      lps = result.packed[row:row + s.num_logits, 1]
-      row += s.num_logits
-      if not np.isfinite(lps).all():
-        self._fail_request(s.request, "non-finite logits (NaN or Inf) in the model output",
-                           end)
+    finite = np.isfinite(result.packed[:len(sampled), 1])
+    if not finite.all():  # non-finite logits (damaged weights, overflow) fail the request
+      row = 0
+      for s in f.plan.seqs:
+        if not finite[row:row + s.num_logits].all():
+          self._fail_request(s.request, "non-finite logits (NaN or Inf) in the model output",
+                             end)
+        row += s.num_logits
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
     tokens = f.bucket[0]
     old = self._step_time_by_tokens.get(tokens)
