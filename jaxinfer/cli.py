@@ -1,7 +1,9 @@
-"""Command line: `python -m jaxinfer generate ...` (absl flags).
+"""Command line: `python -m jaxinfer generate ...` and `python -m jaxinfer serve ...`
+(absl flags).
 
-Results go to stdout (text, or one JSON object per prompt with --json); a progress and
-timing line goes to stderr.
+generate: results go to stdout (text, or one JSON object per prompt with --json); a
+progress and timing line goes to stderr. serve: an OpenAI-compatible HTTP server
+(jaxinfer/serving) until SIGTERM / Ctrl-C.
 """
 from __future__ import annotations
 
@@ -40,6 +42,29 @@ flags.DEFINE_integer("early_exit_layers", 0, "early_exit: layers of the target u
                      "(0 = half)")
 flags.DEFINE_string("draft_model", "", "draft_model: a model name or path sharing the "
                     "tokenizer (e.g. a checkpoint from tools/train_draft.py)")
+flags.DEFINE_bool("stream", False, "generate: print the answer as it is produced (one prompt)")
+flags.DEFINE_string("system", None, "generate --chat: a system message before each prompt")
+flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "fixed"],
+                  "scheduling policy (8.2)")
+flags.DEFINE_integer("max_num_batched_tokens", 256, "largest token bucket: new tokens per "
+                     "step (8.2.4's token budget)")
+flags.DEFINE_integer("max_num_seqs", 64, "largest request bucket: requests per step")
+flags.DEFINE_integer("max_model_len", 0, "context window (0 = the model's)")
+flags.DEFINE_bool("prefix_cache", False, "radix prefix cache (8.3.3)")
+flags.DEFINE_bool("deadline_admission", False, "serve: reject at once what cannot finish by "
+                  "its deadline (8.6.1; HTTP 503)")
+flags.DEFINE_float("deadline_s", 0.0, "serve: each request's deadline in seconds from arrival "
+                   "(0 = none; a request may set its own with the field deadline_s)")
+flags.DEFINE_bool("warmup", True, "serve: compile every bucket before accepting requests")
+flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
+flags.DEFINE_integer("port", 8000, "serve: TCP port")
+flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")
+flags.DEFINE_integer("max_queue", 256, "serve: requests waiting for admission before new "
+                     "ones get HTTP 429")
+flags.DEFINE_integer("default_max_tokens", 512, "serve: max_tokens of a chat request that "
+                     "sets none (capped by the context window)")
+flags.DEFINE_string("served_model_name", None, "serve: the model id clients use (default: "
+                    "--model)")
 
 
 def _sampling_params(n):
@@ -60,15 +85,54 @@ def _usage_error(msg: str):
   sys.exit(2)
 
 
-def _generate():
-  from jaxinfer.llm import LLM
-  prompts = FLAGS.prompt or ["Tell me a short fact about the Moon."]
-  t0 = time.perf_counter()
+def _check_engine_flags():
   if FLAGS.speculative == "draft_model" and not FLAGS.draft_model:
     _usage_error("--speculative=draft_model needs --draft_model=NAME|PATH")
-  for name in ("page_size", "num_pages", "num_draft"):
+  for name in ("page_size", "num_pages", "num_draft", "max_num_batched_tokens", "max_num_seqs"):
     if getattr(FLAGS, name) < 1:
       _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  if FLAGS.max_model_len < 0 or FLAGS.max_model_len == 1:
+    _usage_error(f"--max_model_len must be 0 (the model's) or >= 2, got {FLAGS.max_model_len}")
+
+
+def _make_llm():
+  from jaxinfer.llm import LLM
+  return LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format,
+             page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, attention=FLAGS.attention,
+             speculative=FLAGS.speculative, num_draft=FLAGS.num_draft,
+             adaptive_draft=FLAGS.adaptive_draft,
+             early_exit_layers=FLAGS.early_exit_layers or None,
+             draft_model=FLAGS.draft_model or None, q_precision=FLAGS.q_precision,
+             max_model_len=FLAGS.max_model_len or None, prefix_cache=FLAGS.prefix_cache,
+             policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+             max_num_seqs=FLAGS.max_num_seqs, deadline_admission=FLAGS.deadline_admission)
+
+
+def _serve():
+  from jaxinfer.serving.server import serve
+  _check_engine_flags()
+  if not 0 <= FLAGS.port < 65536:
+    _usage_error(f"--port must be in [0, 65535], got {FLAGS.port}")
+  if FLAGS.max_queue < 1 or FLAGS.default_max_tokens < 1 or FLAGS.deadline_s < 0:
+    _usage_error("--max_queue and --default_max_tokens must be >= 1, --deadline_s >= 0")
+  t0 = time.perf_counter()
+  llm = _make_llm()
+  if FLAGS.warmup:
+    t = llm.engine.warmup()
+    print(f"[jaxinfer] compiled {len(list(llm.buckets.all_buckets()))} bucket shapes in "
+          f"{t:.1f}s", file=sys.stderr)
+  print(f"[jaxinfer] {llm.cfg.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+  serve(llm, model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
+        port=FLAGS.port, api_key=FLAGS.api_key, max_queue=FLAGS.max_queue,
+        default_max_tokens=FLAGS.default_max_tokens, deadline_s=FLAGS.deadline_s or None)
+
+
+def _generate():
+  prompts = FLAGS.prompt or ["Tell me a short fact about the Moon."]
+  t0 = time.perf_counter()
+  _check_engine_flags()
+  if FLAGS.system is not None and not FLAGS.chat:
+    _usage_error("--system needs --chat (it is a chat message)")
   for i, p in enumerate(prompts):
     try:
       p.encode("utf-8")
@@ -76,14 +140,27 @@ def _generate():
       _usage_error(f"--prompt #{i + 1} is not valid UTF-8 text (the shell passed bytes "
                    "that do not decode)")
   sps = _sampling_params(len(prompts))
-  llm = LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format, page_size=FLAGS.page_size,
-            num_pages=FLAGS.num_pages, attention=FLAGS.attention, speculative=FLAGS.speculative,
-            num_draft=FLAGS.num_draft, adaptive_draft=FLAGS.adaptive_draft,
-            early_exit_layers=FLAGS.early_exit_layers or None,
-            draft_model=FLAGS.draft_model or None, q_precision=FLAGS.q_precision)
+  if FLAGS.stream and len(prompts) > 1:
+    _usage_error("--stream prints one answer as it is produced: give one --prompt")
+  llm = _make_llm()
   t_load = time.perf_counter() - t0
   t1 = time.perf_counter()
-  outs = llm.generate(prompts, sps, chat=FLAGS.chat)
+  msgs = (lambda p: ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
+          [{"role": "user", "content": p}])
+  if FLAGS.stream:
+    n_out = 0
+    for piece in (llm.stream_chat(msgs(prompts[0]), sps[0]) if FLAGS.chat
+                  else llm.stream(prompts[0], sps[0])):
+      n_out += 1
+      print(piece, end="", flush=True)
+    print()
+    print(f"[jaxinfer] {llm.cfg.name}: load {t_load:.1f}s, streamed in "
+          f"{time.perf_counter() - t1:.2f}s (includes compilation)", file=sys.stderr)
+    return
+  if FLAGS.chat:
+    outs = llm.chat([msgs(p) for p in prompts], sps)
+  else:
+    outs = llm.generate(prompts, sps)
   t_gen = time.perf_counter() - t1
   n_out = sum(len(o.token_ids) for o in outs)
   print(f"[jaxinfer] {llm.cfg.name}: load {t_load:.1f}s, generated {n_out} tokens for "
@@ -98,6 +175,7 @@ def _generate():
 
 
 USAGE = ("usage: python -m jaxinfer generate [--flags]   (--help lists the flags)\n"
+         "       python -m jaxinfer serve [--flags]      (OpenAI-compatible HTTP server)\n"
          "       python -m jaxinfer cache list|clear   (converted weights, compiled steps)")
 
 
@@ -134,7 +212,7 @@ def _cache(action: str) -> None:
 def _run(argv):
   if len(argv) == 3 and argv[1] == "cache" and argv[2] in ("list", "clear"):
     return _cache(argv[2])
-  if len(argv) < 2 or argv[1] != "generate":
+  if len(argv) < 2 or argv[1] not in ("generate", "serve"):
     _usage_error(USAGE.replace("\n", " | "))
   if len(argv) > 2:
     _usage_error(f"unexpected arguments: {argv[2:]}")
@@ -143,7 +221,7 @@ def _run(argv):
   from jaxinfer.loading.errors import ModelLoadError
   from jaxinfer.llm import RequestTooLargeError
   try:
-    _generate()
+    _serve() if argv[1] == "serve" else _generate()
   except (ModelLoadError, RequestTooLargeError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
@@ -72,21 +72,30 @@ class LLM:
                scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
                speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
                early_exit_layers: Optional[int] = None, draft_model=None, offload=None,
-               q_precision: str = "native"):
+               q_precision: str = "native", policy: str = "chunked",
+               max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
+               deadline_admission: bool = False):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
     q_precision: "native" (Q in the compute dtype) or "kv" (Q rounded through the KV
     format's compute path), 8.4.4's storage-vs-compute split;
+    policy / max_num_batched_tokens / max_num_seqs / deadline_admission: the scheduler
+    (8.2) and the largest token and request buckets, when `buckets` / `scheduler` are not
+    given (vLLM's names);
     offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
     it saves net of the prefetch buffers is given to the KV pool, so admission (which
     reserves pages) admits more requests."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     for name, v in (("page_size", page_size), ("num_pages", num_pages),
-                    ("num_draft", num_draft)):  # checked before the (slow) model load
+                    ("num_draft", num_draft), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("max_num_seqs", max_num_seqs)):  # checked before the (slow) model load
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    from jaxinfer.runtime.scheduler import POLICIES
+    if policy not in POLICIES:
+      raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
       raise ValueError(f"max_model_len must be an integer >= 2 or None, got {max_model_len!r}")
     # `model`: a name or path, or an already loaded model (LoadedModel).
@@ -96,7 +105,8 @@ class LLM:
     self.tokenizer = self.model.tokenizer
     self.max_model_len = min(max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(
-        max_tokens=256, max_requests=64, max_pages=-(-self.max_model_len // page_size))
+        max_tokens=max_num_batched_tokens, max_requests=max_num_seqs,
+        max_pages=-(-self.max_model_len // page_size))
     if offload is not None and offload.layers:
       from jaxinfer.costmodel.offload import ffn_set_bytes
       from jaxinfer.kv import bytes_per_token
@@ -110,9 +120,9 @@ class LLM:
                                 page_size=page_size, kv_format=kv_format, backend=attention,
                                 offload=offload, q_precision=q_precision)
     sched = scheduler or SchedulerConfig(
-        policy="chunked", max_running=self.buckets.max_requests,
+        policy=policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
-        cache_key=(self.cfg.name, "", kv_format))
+        deadline_admission=deadline_admission, cache_key=(self.cfg.name, "", kv_format))
     eos = tuple(self.cfg.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
     from jaxinfer.executors.drafters import make_drafter
     from jaxinfer.runtime.speculative import DraftLengthPolicy
@@ -144,6 +154,62 @@ class LLM:
     if chat:
       prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return self.tokenizer.encode(prompt)
+
+  def chat_prompt(self, messages: Sequence[dict]) -> str:
+    """Chat messages ({"role": system | user | assistant, "content": str}, several turns)
+    rendered with the model's chat template, ready for the assistant's answer."""
+    if self.tokenizer is None:
+      raise ValueError(f"model {self.cfg.name!r} has no tokenizer: no chat template")
+    if isinstance(messages, dict) or not messages:
+      raise ValueError("messages must be a non-empty list of {role, content} dicts")
+    for i, m in enumerate(messages):
+      if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in (
+          "system", "user", "assistant"):
+        raise ValueError(f"messages[{i}] must be {{'role': system|user|assistant, "
+                         f"'content': str}}, got {m!r}")
+    return self.tokenizer.apply_chat_template(list(messages))
+
+  def chat(self, conversations: Sequence, params=None) -> List[RequestOutput]:
+    """One answer per conversation (a list of messages, or a list of such lists)."""
+    if conversations and isinstance(conversations[0], dict):
+      conversations = [conversations]
+    return self.generate([self.chat_prompt(c) for c in conversations], params)
+
+  def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+             chat: bool = False) -> Iterator[str]:
+    """Generate one answer, yielding text as it becomes final: never half a UTF-8
+    character, never text that may still become a stop string (serving/detokenizer.py).
+    Closing the generator early aborts the request and leaves the engine empty."""
+    from jaxinfer.serving.detokenizer import IncrementalDetokenizer
+    if self.tokenizer is None:
+      raise ValueError(f"model {self.cfg.name!r} has no tokenizer: nothing to stream as text")
+    params = params or SamplingParams()
+    ids = self.encode_prompt(prompt, chat)
+    self.engine.validate_request(ids, params)
+    r = self.engine.add_request(ids, params, prompt=prompt if isinstance(prompt, str) else None)
+    detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+    sent = 0
+    try:
+      while not r.state.done:
+        self.engine.step()
+        n = len(r.output_token_ids)
+        if n > sent and not r.state.done:
+          piece = detok.push(r.output_token_ids[sent:n])
+          sent = n
+          if piece:
+            yield piece
+      if r.finish_reason == "error":
+        raise RuntimeError(f"generation failed: {r.error}")
+      rest = detok.finish(r.text or "")
+      if rest:
+        yield rest
+    finally:  # early close, an error or Ctrl-C: leave the engine empty and healthy
+      if not r.state.done:
+        self.engine.abort_requests([r.request_id])
+
+  def stream_chat(self, messages: Sequence[dict],
+                  params: Optional[SamplingParams] = None) -> Iterator[str]:
+    return self.stream(self.chat_prompt(messages), params)
 
   def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

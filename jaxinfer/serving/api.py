@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP front (FastAPI): /v1/chat/completions, /v1/completions,
+/v1/models, /health, /metrics.
+
+Handlers run on the asyncio event loop and never touch the engine: they validate, hand
+requests to the EngineService (the engine's own thread) and await updates on an
+asyncio.Queue. A client that disconnects aborts its requests, which frees their pages.
+Streams are server-sent events (`data: {chunk}` ... `data: [DONE]`) with OpenAI's chunk
+objects; every JSON body is strict (no NaN / Infinity).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from jaxinfer import strict_json
+from jaxinfer.runtime.engine import RequestTooLargeError
+from jaxinfer.serving.engine_thread import EngineService, QueueFullError, Update
+from jaxinfer.serving.protocol import (ApiError, bad, messages_from_body, prompts_from_body,
+                                       sampling_from_body)
+
+_DISCONNECT_POLL_S = 0.25
+
+
+def _json(status: int, body: Dict[str, Any]) -> Response:
+  return Response(strict_json.dumps(body), status_code=status, media_type="application/json")
+
+
+def _sse(obj) -> str:
+  return f"data: {strict_json.dumps(obj)}\n\n"
+
+
+def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_len: int,
+              api_key: Optional[str] = None, default_max_tokens: int = 512,
+              metrics=None, default_deadline_s: Optional[float] = None) -> FastAPI:
+  app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+  created = int(time.time())
+
+  def _error(e: ApiError) -> Response:
+    if metrics is not None:
+      metrics.rejected(e.status)
+    return _json(e.status, e.body())
+
+  def _check_auth(request: Request) -> None:
+    if api_key is None:
+      return
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+      raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                     type_="authentication_error", code="invalid_api_key")
+
+  async def _body(request: Request) -> Dict[str, Any]:
+    try:
+      body = json.loads(await request.body(), parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model", model_name)
+    if model != model_name:
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                     f"{model_name!r}", "model", code="model_not_found")
+    return body
+
+  def _encode(prompt) -> List[int]:
+    if isinstance(prompt, str):
+      try:
+        prompt.encode("utf-8")
+      except UnicodeEncodeError as e:
+        raise bad("prompt", f"prompt is not valid Unicode text at character {e.start}") from None
+      return tokenizer.encode(prompt)
+    return prompt
+
+  def _validate(ids: List[int], sp, extras):
+    if not extras["max_tokens_given"]:  # default: whatever fits the context, up to the cap
+      room = max_model_len - len(ids)
+      if room < 1:
+        raise bad("messages", f"the prompt has {len(ids)} tokens; the context window holds "
+                  f"{max_model_len}")
+      if sp.max_tokens > room:
+        sp = dataclasses.replace(sp, max_tokens=room)
+    try:
+      service.engine.validate_request(ids, sp)
+    except RequestTooLargeError as e:
+      raise bad("max_tokens" if "max_tokens" in str(e) else "prompt", str(e)) from None
+    except ValueError as e:
+      raise bad("prompt", str(e)) from None
+    return sp
+
+  async def _start(request: Request, prompts: List[List[int]], sps, extras, texts):
+    """Submit every choice (all validated first); -> (ids, queue). 429 / 503 on refusal."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    rids = []
+    try:
+      for i, (ids, sp) in enumerate(zip(prompts, sps)):
+        def deliver(u: Update, i=i):
+          loop.call_soon_threadsafe(q.put_nowait, (i, u))
+        rids.append(service.submit(ids, sp, deliver, prompt=texts[i],
+                                   deadline_s=extras["deadline_s"] or default_deadline_s))
+    except QueueFullError as e:
+      for rid in rids:
+        service.abort(rid)
+      raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full") from None
+    except RuntimeError as e:
+      for rid in rids:
+        service.abort(rid)
+      raise ApiError(503, str(e), type_="service_unavailable") from None
+    return rids, q
+
+  async def _next(request: Request, q: asyncio.Queue):
+    """The next update, or None if the client disconnected meanwhile."""
+    while True:
+      try:
+        return await asyncio.wait_for(q.get(), _DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        if await request.is_disconnected():
+          return None
+
+  def _refusal(u: Update) -> Optional[ApiError]:
+    if u.finish_reason == "rejected":
+      return ApiError(503, f"rejected by deadline admission (8.6.1): it cannot finish "
+                      f"within its deadline ({u.error})", type_="service_unavailable",
+                      code="deadline")
+    if u.finish_reason == "error":
+      return ApiError(500, f"the request failed: {u.error}", type_="server_error")
+    if u.finish_reason == "abort":
+      return ApiError(503, f"the request was aborted: {u.error or 'cancelled'}",
+                      type_="service_unavailable")
+    return None
+
+  def _lp_chat(tokens, lps):
+    out = []
+    for t, lp in zip(tokens, lps):
+      s = tokenizer.decode([t], skip_special_tokens=False)
+      out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                  "top_logprobs": []})
+    return out
+
+  def _lp_completion(tokens, lps):
+    toks = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": None,
+            "text_offset": []}
+
+  async def _run(request: Request, chat: bool):
+    body = await _body(request)
+    n, sp0, extras = sampling_from_body(body, chat=chat, max_model_len=max_model_len,
+                                        default_max_tokens=default_max_tokens)
+    if chat:
+      msgs = messages_from_body(body)
+      try:
+        text = tokenizer.apply_chat_template(msgs)
+      except Exception as e:  # noqa: BLE001 -- a template error names the messages
+        raise bad("messages", f"the chat template rejected the messages: {e}") from None
+      base = [(text, _encode(text))]
+    else:
+      base = [(p if isinstance(p, str) else None, _encode(p)) for p in prompts_from_body(body)]
+    prompts, sps, texts = [], [], []
+    extras["prompt_tokens"] = sum(len(ids) for _, ids in base)
+    for text, ids in base:
+      sp = _validate(ids, sp0, extras)
+      for k in range(n):
+        seed = None if sp.seed is None else (sp.seed + k) % 2**64
+        prompts.append(ids)
+        sps.append(dataclasses.replace(sp, seed=seed) if k else sp)
+        texts.append(text)
+    kind = "chatcmpl" if chat else "cmpl"
+    rid = f"{kind}-{uuid.uuid4().hex}"
+    rids, q = await _start(request, prompts, sps, extras, texts)
+    if extras["stream"]:
+      return StreamingResponse(_stream(request, rid, chat, rids, q, prompts, extras),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    return await _collect(request, rid, chat, rids, q, prompts, extras)
+
+  async def _collect(request, rid, chat, rids, q, prompts, extras):
+    texts = [""] * len(rids)
+    toks: List[List[int]] = [[] for _ in rids]
+    lps: List[List[float]] = [[] for _ in rids]
+    reasons: List[Optional[str]] = [None] * len(rids)
+    left = len(rids)
+    try:
+      while left:
+        item = await _next(request, q)
+        if item is None:  # the client went away: free its pages
+          for x in rids:
+            service.abort(x)
+          return Response(status_code=499)
+        i, u = item
+        texts[i] += u.text
+        toks[i] += u.token_ids
+        lps[i] += u.logprobs
+        if u.finish_reason is not None:
+          err = _refusal(u)
+          if err is not None:
+            for x in rids:
+              service.abort(x)
+            return _error(err)
+          reasons[i] = u.finish_reason
+          left -= 1
+    except asyncio.CancelledError:
+      for x in rids:
+        service.abort(x)
+      raise
+    choices = []
+    for i in range(len(rids)):
+      lp = None
+      if extras["logprobs"]:
+        lp = {"content": _lp_chat(toks[i], lps[i])} if chat else _lp_completion(toks[i], lps[i])
+      if chat:
+        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": lp, "finish_reason": reasons[i]})
+      else:
+        choices.append({"index": i, "text": texts[i], "logprobs": lp,
+                        "finish_reason": reasons[i]})
+    n_prompt = extras["prompt_tokens"]
+    n_out = sum(len(t) for t in toks)
+    return _json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                       "created": int(time.time()), "model": model_name, "choices": choices,
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                 "total_tokens": n_prompt + n_out}})
+
+  async def _stream(request, rid, chat, rids, q, prompts, extras):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    t_created = int(time.time())
+
+    def chunk(i, text, reason=None, toks=(), lps=(), first=False):
+      lp = None
+      if extras["logprobs"] and toks:
+        lp = {"content": _lp_chat(toks, lps)} if chat else _lp_completion(toks, lps)
+      if chat:
+        delta = {"role": "assistant", "content": text} if first else (
+            {"content": text} if text or reason is None else {})
+        c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+      else:
+        c = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+      out = {"id": rid, "object": obj, "created": t_created, "model": model_name, "choices": [c]}
+      if extras["include_usage"]:
+        out["usage"] = None
+      return _sse(out)
+
+    left = len(rids)
+    n_out = 0
+    started = [False] * len(rids)
+    finished = False
+    try:
+      if chat:
+        for i in range(len(rids)):
+          started[i] = True
+          yield chunk(i, "", first=True)
+      while left:
+        item = await _next(request, q)
+        if item is None:
+          return  # disconnected: the finally clause aborts
+        i, u = item
+        n_out += len(u.token_ids)
+        if u.finish_reason is not None:
+          err = _refusal(u)
+          if err is not None:
+            yield _sse(err.body())
+            for x in rids:
+              service.abort(x)
+            break
+          if u.text or u.token_ids:
+            yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs)
+          yield chunk(i, "", reason=u.finish_reason)
+          left -= 1
+        elif u.text or (extras["logprobs"] and u.token_ids):
+          yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs)
+      if extras["include_usage"]:
+        n_prompt = extras["prompt_tokens"]
+        yield _sse({"id": rid, "object": obj, "created": t_created, "model": model_name,
+                    "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                             "total_tokens": n_prompt + n_out}})
+      yield "data: [DONE]\n\n"
+      finished = True
+    finally:
+      if not finished:  # client gone or the response was cancelled: free the pages
+        for x in rids:
+          service.abort(x)
+
+  async def _endpoint(request: Request, chat: bool):
+    try:
+      _check_auth(request)
+      return await _run(request, chat)
+    except ApiError as e:
+      return _error(e)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    return await _endpoint(request, True)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    return await _endpoint(request, False)
+
+  @app.get("/v1/models")
+  async def models(request: Request):
+    try:
+      _check_auth(request)
+    except ApiError as e:
+      return _error(e)
+    return _json(200, {"object": "list", "data": [
+        {"id": model_name, "object": "model", "created": created, "owned_by": "jaxinfer",
+         "max_model_len": max_model_len}]})
+
+  @app.get("/health")
+  async def health():
+    if not service.alive:
+      return _json(503, {"status": "engine stopped",
+                         "error": None if service.error is None else repr(service.error)})
+    return _json(200, {"status": "ok"})
+
+  @app.get("/metrics")
+  async def prometheus():
+    if metrics is None:
+      return Response(status_code=404)
+    return Response(metrics.export(), media_type="text/plain; version=0.0.4")
+
+  return app
+
+
+def _reject_constant(c):
+  raise ValueError(f"{c} is not valid JSON")

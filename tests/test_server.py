@@ -1,0 +1,226 @@
+"""The OpenAI-compatible server against the official `openai` client, on 127.0.0.1 and a
+free port, one server process for the module (SIGTERM at the end must exit 0). Greedy
+answers must equal the offline LLM's for the same prompts; streamed text must equal the
+non-streamed text; a client that goes away must get its pages freed."""
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from experiments.common import ROOT
+from jaxinfer.config import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m-instruct"
+KEY = "test-key"
+ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, num_pages=512)
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?",
+             "Say hello in Spanish."]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _get(url, timeout=5.0) -> str:
+  with urllib.request.urlopen(url, timeout=timeout) as r:
+    return r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+  port = _free_port()
+  args = [sys.executable, "-m", "jaxinfer", "serve", f"--port={port}", f"--api_key={KEY}",
+          "--warmup=false", "--max_queue=64"] + [f"--{k}={v}" for k, v in ENGINE.items()]
+  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  base = f"http://127.0.0.1:{port}"
+  try:
+    for _ in range(240):  # bounded: the model loads in ~10 s
+      if proc.poll() is not None:
+        raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read()}")
+      with contextlib.suppress(OSError):
+        if '"ok"' in _get(base + "/health", 1.0):
+          break
+      time.sleep(0.5)
+    else:
+      raise AssertionError("server did not come up in 120 s")
+    yield base, proc
+  finally:
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(60)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2):
+  from jaxinfer.llm import LLM
+  return LLM(smollm2, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metric(base, name, **labels) -> float:
+  text = _get(base + "/metrics")
+  for line in text.splitlines():
+    if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+      return float(line.rsplit(" ", 1)[1])
+  return 0.0
+
+
+def test_chat_and_completions_equal_offline_greedy(client, offline):
+  sp = SamplingParams(max_tokens=24)
+  msgs = [{"role": "system", "content": "Answer in one short sentence."},
+          {"role": "user", "content": QUESTIONS[0]}]
+  want = offline.chat([msgs], sp)[0]
+  got = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                       temperature=0)
+  assert got.choices[0].message.content == want.text
+  assert got.choices[0].finish_reason == want.finish_reason
+  assert got.usage.completion_tokens == len(want.token_ids)
+  assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+  chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == want.text
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+  assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+  prompt = "The three largest planets of the solar system are"
+  want = offline.generate(prompt, SamplingParams(max_tokens=16))[0]
+  got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  logprobs=0)
+  assert got.choices[0].text == want.text
+  lps = got.choices[0].logprobs.token_logprobs
+  assert lps == pytest.approx(want.logprobs, abs=1e-3)
+  streamed = "".join(c.choices[0].text for c in client.completions.create(
+      model=MODEL, prompt=want.prompt_token_ids, max_tokens=16, temperature=0, stream=True))
+  assert streamed == want.text
+
+
+def test_stop_strings_cut_streamed_and_whole_text_alike(client, offline):
+  msgs = [{"role": "user", "content": QUESTIONS[0]}]
+  full = offline.chat([msgs], SamplingParams(max_tokens=24))[0].text
+  word = re.findall(r"[A-Za-z]{4,}", full)[1]  # a word inside the answer
+  expect = full[:full.index(word)]
+  got = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                       temperature=0, stop=[word])
+  assert got.choices[0].message.content == expect
+  assert got.choices[0].finish_reason == "stop"
+  chunks = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                          temperature=0, stop=[word], stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expect
+
+
+def test_n_choices_with_a_seed_repeat_exactly(client):
+  kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2,
+            seed=1234)
+  a = client.completions.create(**kw)
+  b = client.completions.create(**kw)
+  assert [c.index for c in a.choices] == [0, 1]
+  assert [c.text for c in a.choices] == [c.text for c in b.choices]
+  assert 2 <= a.usage.completion_tokens <= 24
+  c = client.completions.create(**{**kw, "seed": 99})
+  assert [x.text for x in c.choices] != [x.text for x in a.choices]
+
+
+def test_sixteen_concurrent_streams_are_all_correct(server, offline):
+  prompts = [[{"role": "user", "content": QUESTIONS[i % 4] + " " * (i // 4)}]
+             for i in range(16)]
+  want = [o.text for o in offline.chat(prompts, SamplingParams(max_tokens=16))]
+  aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0,
+                               timeout=300)
+
+  async def one(msgs):
+    s = await aclient.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
+                                              temperature=0, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+
+  async def all_of():
+    try:
+      return await asyncio.gather(*(one(m) for m in prompts))
+    finally:
+      await aclient.close()
+
+  assert asyncio.run(all_of()) == want
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server, client):
+  base = server[0]
+  aborted = _metric(base, "jaxinfer:request_success_total", finished_reason="abort")
+  s = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=400,
+                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+  it = iter(s)
+  for _ in range(3):
+    next(it)
+  assert _metric(base, "jaxinfer:kv_pages_used") > 0
+  s.close()  # the client goes away mid-stream
+  for _ in range(100):  # bounded: the abort lands within a few steps
+    if _metric(base, "jaxinfer:kv_pages_used") == 0 and _metric(
+        base, "jaxinfer:request_success_total", finished_reason="abort") > aborted:
+      break
+    time.sleep(0.2)
+  else:
+    raise AssertionError("pages not freed 20 s after the client disconnected")
+  assert _metric(base, "jaxinfer:kv_pages_free") == ENGINE["num_pages"]
+
+
+@pytest.mark.parametrize("kw, param, words", [
+    (dict(temperature=5), "temperature", "above the maximum 2.0"),
+    (dict(max_tokens=0), "max_tokens", "below the minimum 1"),
+    (dict(max_tokens=10_000), "max_tokens", "above the maximum 512"),
+    (dict(top_p=0), "top_p", "must be > 0"),
+    (dict(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (dict(logprobs=5), "logprobs", "only the sampled token"),
+    (dict(n=0), "n", "below the minimum 1"),
+])
+def test_bad_parameters_are_400_naming_field_value_and_limit(client, kw, param, words):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=MODEL, prompt="hi", **{"max_tokens": 4, **kw})
+  err = e.value.body
+  assert err["param"] == param and words in err["message"], err
+
+
+def test_long_prompt_unknown_model_and_wrong_key(server, client):
+  with pytest.raises(openai.BadRequestError, match="context window"):
+    client.completions.create(model=MODEL, prompt=[1] * 500, max_tokens=20)
+  with pytest.raises(openai.NotFoundError, match="does not exist"):
+    client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+  bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
+  with pytest.raises(openai.AuthenticationError):
+    bad.models.list()
+  assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_sigterm_finishes_cleanly(server):
+  """Last in the module: SIGTERM while a stream is open; the process exits 0 and the
+  stream ends (finished or aborted), not hangs."""
+  base, proc = server
+  c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+  s = c.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=200,
+                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+  it = iter(s)
+  next(it)
+  proc.send_signal(signal.SIGTERM)
+  with contextlib.suppress(Exception):  # a graceful end or a cut connection: both end it
+    for _ in it:
+      pass
+  assert proc.wait(60) == 0

@@ -1,0 +1,119 @@
+"""The serving parts without HTTP: the incremental detokeniser (UTF-8 and stop strings,
+with the real SmolLM2 tokenizer), LLM.stream / LLM.chat, and the engine thread's queue
+limit and shutdown (on the simulated executor)."""
+import threading
+
+import pytest
+
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+from jaxinfer.runtime.engine import Engine
+from jaxinfer.runtime.scheduler import SchedulerConfig
+from jaxinfer.serving.detokenizer import IncrementalDetokenizer
+from jaxinfer.serving.engine_thread import EngineService, QueueFullError
+
+TEXT = "Pizza 🍕 in Zürich costs 20 € — 東京 is far. The end."
+
+
+def test_detokenizer_never_emits_half_a_character(smollm2):
+  tok = smollm2.tokenizer
+  ids = tok.encode(TEXT, add_special_tokens=False)
+  d = IncrementalDetokenizer(tok)
+  pieces = [d.push([t]) for t in ids]
+  assert all("\ufffd" not in p for p in pieces)
+  # some tokens end inside a multi-byte character: their text waited for the next token
+  assert any(p == "" for p in pieces)
+  assert "".join(pieces) + d.finish(tok.decode(ids)) == tok.decode(ids)
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(smollm2):
+  tok = smollm2.tokenizer
+  ids = tok.encode(TEXT, add_special_tokens=False)
+  full = tok.decode(ids)
+  stop = "is far"
+  cut = full[:full.index(stop)]
+  d = IncrementalDetokenizer(tok, stop=(stop,))
+  shown = ""
+  for t in ids:
+    shown += d.push([t])
+    assert cut.startswith(shown) or shown.startswith(cut)
+    if stop in d.text:  # where the engine stops the request
+      break
+  assert cut.startswith(shown) and not shown.endswith(" is")
+  assert shown + d.finish(cut) == cut
+
+
+def test_llm_stream_equals_generate_and_stops_cleanly(smollm2):
+  from jaxinfer.llm import LLM
+  llm = LLM(smollm2, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+            num_pages=64)
+  msgs = [{"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "Name three fruits."}]
+  sp = SamplingParams(max_tokens=20)
+  want = llm.chat(msgs, sp)[0]
+  assert "".join(llm.stream_chat(msgs, sp)) == want.text
+  gen = llm.stream_chat(msgs, SamplingParams(max_tokens=200, ignore_eos=True))
+  next(gen)
+  gen.close()  # the consumer stops early: the request is aborted, pages come back
+  assert not llm.engine.has_unfinished() and llm.engine.pm.num_free == 64
+  with pytest.raises(ValueError, match="messages"):
+    llm.chat([{"role": "robot", "content": "hi"}])
+
+
+class _GatedSim(SimExecutor):
+  """Steps after the first wait for `gate`: the engine thread is busy while requests
+  pile up."""
+
+  def __init__(self):
+    super().__init__(AffineStepModel(), num_pages=64, page_size=4)
+    self.gate = threading.Event()
+    self.free_steps = 1
+
+  def execute(self, step, plan):
+    if self.free_steps:
+      self.free_steps -= 1
+    else:
+      assert self.gate.wait(30)
+    return super().execute(step, plan)
+
+
+def test_queue_limit_and_shutdown_on_the_engine_thread():
+  ex = _GatedSim()
+  eng = Engine(ex, SchedulerConfig(policy="continuous", max_running=2),
+               buckets=BucketTable.default(max_tokens=32, max_requests=2, max_pages=16))
+  svc = EngineService(eng, max_queue=2).start()
+  done = {}
+  finished = threading.Event()
+
+  def deliver(rid):
+    def f(u):
+      if u.finish_reason is not None:
+        done[rid] = u.finish_reason
+        if len(done) == 4:
+          finished.set()
+    return f
+
+  sp = SamplingParams(max_tokens=3, ignore_eos=True)
+  first = svc.submit([1, 2, 3], sp, deliver("a"))
+  for _ in range(200):  # bounded: until "a" ran its first step (the next one blocks)
+    if svc.num_queued == 0:
+      break
+    threading.Event().wait(0.01)
+  svc.submit([1, 2], sp, deliver("b"))
+  svc.submit([4], sp, deliver("c"))
+  with pytest.raises(QueueFullError, match="at most 2"):
+    svc.submit([5], sp, deliver("x"))
+  assert svc.num_queued == 2 and first == "req-0"
+  ex.gate.set()
+  for _ in range(500):  # bounded: the queue drains once steps run again
+    if svc.num_queued == 0:
+      break
+    threading.Event().wait(0.01)
+  svc.submit([6, 7], sp, deliver("d"))  # room again
+  assert finished.wait(30), done
+  assert done == {"a": "length", "b": "length", "c": "length", "d": "length"}
+  svc.shutdown()
+  assert not svc.alive and eng.pm.num_free == 64
+  with pytest.raises(RuntimeError, match="not running"):
+    svc.submit([1], sp, deliver("e"))
