@@ -55,7 +55,9 @@ flags.DEFINE_bool("deadline_admission", False, "serve: reject at once what canno
                   "its deadline (8.6.1; HTTP 503)")
 flags.DEFINE_float("deadline_s", 0.0, "serve: each request's deadline in seconds from arrival "
                    "(0 = none; a request may set its own with the field deadline_s)")
-flags.DEFINE_bool("warmup", True, "serve: compile every bucket before accepting requests")
+flags.DEFINE_bool("warmup", False, "serve: compile every bucket shape before accepting "
+                  "requests (the default table has hundreds: minutes on a CPU; without it "
+                  "each shape compiles the first time a step needs it)")
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
 flags.DEFINE_integer("port", 8000, "serve: TCP port")
 flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")

@@ -190,3 +190,19 @@ def test_bench_decode_small(tmp_path):
   assert r["step_ms"] > 0.8 * r["bandwidth_floor_ms"] > 0
   assert "skipped (--max_pool_gib" in out
   assert (tmp_path / "bench_decode.png").stat().st_size > 5_000
+
+
+def test_serve_bench_tiny(tmp_path):
+  """experiments.serve_bench end to end at a tiny size: a real server per policy over HTTP
+  (the openai client), every request accounted, the server exits 0 on SIGTERM, and the
+  offline run and both floors sit beside the figures."""
+  out = _run("experiments.serve_bench", "--policies=continuous", "--num_prompts=2",
+             "--max_tokens=4", "--max_num_seqs=2", "--max_num_batched_tokens=16", "--hf=false",
+             f"--output_dir={tmp_path}")
+  d = _loads((tmp_path / "serve_bench.json").read_text())
+  p = d["policies"]["continuous"]
+  assert p["requests"] == 2 and p["output_tokens"] == 2 * 4 and p["server_exit_code"] == 0
+  assert p["ttft"]["median_ms"] > 0 and p["e2e"]["p99_ms"] >= p["ttft"]["p99_ms"]
+  assert d["offline"]["output_tokens"] == 2 * 4
+  assert d["floors"]["bandwidth_floor_ms"] > 0 and d["floors"]["compute_floor_ms"] > 0
+  assert "serving overhead" in out and (tmp_path / "serve_bench.png").stat().st_size > 5_000

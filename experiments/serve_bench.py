@@ -1,0 +1,291 @@
+"""Serving benchmark over HTTP, in the spirit of `vllm bench serve` (8.1, 8.6.2).
+
+  python -m experiments.serve_bench --output_dir=out/serve_bench
+  python -m experiments.serve_bench --policies=chunked --num_prompts=4 --max_tokens=8  # tiny
+
+For each scheduling policy a `python -m jaxinfer serve` process is started on 127.0.0.1
+(a free port; the workload runs once unmeasured so no measured step compiles); the official `openai` async client sends the
+prompts (chat, streamed, greedy, fixed output length) at Poisson or fixed-rate arrivals,
+or all at once (--request_rate=0). Per request: TTFT (send -> first text chunk), ITL (gaps
+between chunks), TPOT ((E2E - TTFT) / (tokens - 1)), E2E; per run: request throughput,
+output tok/s, mean / median / p99 of each, and goodput against --slo (requests meeting
+every bound, per second). The same prompts then run offline (`LLM.chat`, same engine
+flags, in this process): the serving overhead is the server's wall time over the
+offline one, minus 1, and per generated token beside the offline decode step. Beside the
+figures: this machine's bandwidth and compute floors of a decode step at the run's
+batch, and HF transformers' static-batch decode (--hf).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, List
+
+import numpy as np
+from absl import app, flags
+
+from experiments.common import ROOT, write_json
+from experiments.goodput import arrival_times
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m-instruct", "model served")
+flags.DEFINE_list("policies", ["chunked", "continuous"], "one server run per policy")
+flags.DEFINE_integer("num_prompts", 32, "requests per run")
+flags.DEFINE_float("request_rate", 0.0, "mean arrivals per second; 0 = all at once")
+flags.DEFINE_enum("arrival", "poisson", ["poisson", "fixed"], "arrival process")
+flags.DEFINE_integer("max_tokens", 64, "output tokens per request (ignore_eos)")
+flags.DEFINE_integer("max_num_seqs", 16, "server: largest request bucket")
+flags.DEFINE_integer("max_num_batched_tokens", 128, "server: largest token bucket")
+flags.DEFINE_string("slo", "ttft_ms=5000,tpot_ms=500", "goodput bounds: ttft_ms, tpot_ms, "
+                    "e2e_ms (any subset)")
+flags.DEFINE_bool("offline", True, "also run the prompts through LLM.chat (the overhead)")
+flags.DEFINE_bool("hf", True, "HF transformers static-batch decode as a peer")
+flags.DEFINE_integer("seed", 0, "arrival process seed")
+flags.DEFINE_string("output_dir", "out/serve_bench", "JSON and figure")
+
+QUESTIONS = ("Summarize this in one sentence: {}", "What is the main topic of this text? {}",
+             "List two facts from this text: {}", "Write a title for this text: {}")
+
+
+def make_prompts(n: int) -> List[List[Dict[str, str]]]:
+  """n chat prompts from the project's own texts (experiments/data/texts.txt)."""
+  with open(os.path.join(ROOT, "experiments", "data", "texts.txt")) as f:
+    texts = [t.strip() for t in f.read().split("\n\n") if t.strip()]
+  return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)].format(
+      texts[i % len(texts)][:200 + 40 * (i % 5)])}] for i in range(n)]
+
+
+def parse_slo(spec: str) -> Dict[str, float]:
+  out = {}
+  for part in filter(None, spec.split(",")):
+    k, _, v = part.partition("=")
+    if k not in ("ttft_ms", "tpot_ms", "e2e_ms"):
+      raise ValueError(f"--slo: unknown bound {k!r} (ttft_ms, tpot_ms, e2e_ms)")
+    out[k] = float(v)
+  return out
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def token_bucket(policy: str) -> int:
+  """Unchunked policies run a whole prompt in one step: their largest token bucket must
+  hold the longest prompt (the project's prompts are under 256 tokens)."""
+  return FLAGS.max_num_batched_tokens if policy == "chunked" else max(
+      FLAGS.max_num_batched_tokens, 256)
+
+
+def start_server(policy: str, port: int) -> subprocess.Popen:
+  args = [sys.executable, "-m", "jaxinfer", "serve", f"--model={FLAGS.model}",
+          f"--port={port}", f"--policy={policy}", f"--max_num_seqs={FLAGS.max_num_seqs}",
+          f"--max_num_batched_tokens={token_bucket(policy)}", "--max_model_len=1024",
+          f"--max_queue={max(FLAGS.num_prompts, 1)}"]
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  log_path = os.path.join(FLAGS.output_dir, f"server_{policy}.log")
+  log = open(log_path, "w")  # a file, not a pipe nobody reads (a full pipe blocks the server)
+  proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+  for _ in range(1200):  # bounded: load + compile every bucket
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited {proc.returncode}; its log: {log_path}")
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+        if r.status == 200:
+          return proc
+    except OSError:
+      time.sleep(0.5)
+  proc.kill()
+  raise RuntimeError(f"server did not come up in 10 minutes; its log: {log_path}")
+
+
+async def _one(client, msgs, t_sched, t0) -> Dict:
+  await asyncio.sleep(max(0.0, t0 + t_sched - time.perf_counter()))
+  t_send = time.perf_counter()
+  chunks, n_tokens = [], 0
+  s = await client.chat.completions.create(
+      model=FLAGS.model, messages=msgs, max_tokens=FLAGS.max_tokens, temperature=0,
+      stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+  async for c in s:
+    if c.choices and c.choices[0].delta.content:
+      chunks.append(time.perf_counter())
+    if c.usage is not None:
+      n_tokens = c.usage.completion_tokens
+  t_end = time.perf_counter()
+  ttft = chunks[0] - t_send if chunks else None
+  return {"sched_s": t_sched, "send_s": t_send - t0, "ttft_s": ttft,
+          "itl_s": list(np.diff(chunks)), "e2e_s": t_end - t_send, "tokens": n_tokens,
+          "tpot_s": (t_end - t_send - ttft) / (n_tokens - 1) if ttft and n_tokens > 1 else None}
+
+
+async def run_load(base: str, prompts, times) -> Dict:
+  import openai
+  client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                              timeout=600)
+  try:
+    # Warm-up: the whole workload once, unmeasured, so the measured run compiles nothing
+    # (the server compiles each bucket shape the first time a step needs it).
+    await asyncio.gather(*(_one(client, m, 0.0, time.perf_counter()) for m in prompts))
+    t0 = time.perf_counter()
+    reqs = await asyncio.gather(*(_one(client, m, t, t0) for m, t in zip(prompts, times)))
+    wall = time.perf_counter() - t0
+  finally:
+    await client.close()
+  return {"requests": reqs, "wall_s": wall}
+
+
+def _stats(xs) -> Dict:
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+  a = 1e3 * np.asarray(xs)
+  return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)),
+          "p99_ms": float(np.percentile(a, 99))}
+
+
+def summarize(run: Dict, slo: Dict[str, float]) -> Dict:
+  reqs, wall = run["requests"], run["wall_s"]
+  good = 0
+  for r in reqs:
+    ok = r["ttft_s"] is not None
+    ok = ok and ("ttft_ms" not in slo or 1e3 * r["ttft_s"] <= slo["ttft_ms"])
+    ok = ok and ("tpot_ms" not in slo or r["tpot_s"] is None or 1e3 * r["tpot_s"] <= slo["tpot_ms"])
+    ok = ok and ("e2e_ms" not in slo or 1e3 * r["e2e_s"] <= slo["e2e_ms"])
+    good += ok
+  tokens = sum(r["tokens"] for r in reqs)
+  return {"wall_s": wall, "request_throughput": len(reqs) / wall,
+          "output_tok_s": tokens / wall, "output_tokens": tokens,
+          "goodput_rps": good / wall, "good": good, "requests": len(reqs),
+          "ttft": _stats([r["ttft_s"] for r in reqs]),
+          "tpot": _stats([r["tpot_s"] for r in reqs]),
+          "itl": _stats([x for r in reqs for x in r["itl_s"]]),
+          "e2e": _stats([r["e2e_s"] for r in reqs])}
+
+
+def offline_run(prompts) -> Dict:
+  """The same prompts through LLM.chat in this process, same engine flags (policy
+  chunked), after a warm-up: wall time and the median decode-only step."""
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.llm import LLM
+  llm = LLM(FLAGS.model, max_num_seqs=FLAGS.max_num_seqs,
+            max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=1024)
+  sp = SamplingParams(max_tokens=FLAGS.max_tokens, ignore_eos=True)
+  llm.chat(prompts, sp)  # warm-up, as for the server: the same workload once
+  n0 = len(llm.engine.steps)
+  t = time.perf_counter()
+  outs = llm.chat(prompts, sp)
+  wall = time.perf_counter() - t
+  steps = llm.engine.steps[n0:]
+  dec = [s.duration for s in steps if s.num_prefill_tokens == 0 and s.num_seqs > 0]
+  return {"wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outs),
+          "decode_step_ms": 1e3 * float(np.median(dec)) if dec else None,
+          "decode_batch": int(np.median([s.num_seqs for s in steps if s.num_prefill_tokens == 0]))
+          if dec else 0, "cfg": llm.cfg, "tokenizer": llm.tokenizer, "source": llm.model.source}
+
+
+def floors(cfg, batch: int) -> Dict:
+  """Decode-step floors on this machine at `batch` (f32): the weight bytes a step reads
+  over the measured read bandwidth, and the step's matmul FLOPs over XLA's measured
+  matmul rate at the step's own shapes."""
+  from jaxinfer.benchmarking import measure_read_bandwidth, step_matmul_rate
+  bw = measure_read_bandwidth()
+  rate = step_matmul_rate(cfg, batch)
+  flops = 2 * cfg.param_count() * batch
+  return {"read_gb_s": bw / 1e9, "matmul_gflop_s": rate / 1e9,
+          "bandwidth_floor_ms": 1e3 * cfg.weight_bytes_read_per_step(4) / bw,
+          "compute_floor_ms": 1e3 * flops / rate}
+
+
+def hf_peer(source: str, tokenizer, prompts, batch: int):
+  """HF transformers' static-batch greedy decode on the same GGUF, `batch` of the
+  prompts cut to one length (a static batch needs equal lengths)."""
+  from experiments.peers import hf_generate
+  ids = [tokenizer.encode(tokenizer.apply_chat_template(m)) for m in prompts[:batch]]
+  n = min(len(x) for x in ids)
+  return hf_generate(source, [x[:n] for x in ids], FLAGS.max_tokens)
+
+
+def main(argv):
+  del argv
+  slo = parse_slo(FLAGS.slo)
+  if FLAGS.num_prompts < 1 or FLAGS.max_tokens < 2:
+    raise app.UsageError("--num_prompts must be >= 1 and --max_tokens >= 2")
+  prompts = make_prompts(FLAGS.num_prompts)
+  times = (np.zeros(len(prompts)) if FLAGS.request_rate <= 0 else
+           arrival_times(FLAGS.arrival, FLAGS.request_rate, len(prompts), FLAGS.seed))
+  results = {"flags": {k: FLAGS[k].value for k in ("model", "num_prompts", "request_rate",
+                                                    "arrival", "max_tokens", "max_num_seqs",
+                                                    "max_num_batched_tokens", "slo")},
+             "slo": slo, "policies": {}}
+  for policy in FLAGS.policies:
+    port = _free_port()
+    proc = start_server(policy, port)
+    try:
+      run = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, times))
+    finally:
+      proc.send_signal(signal.SIGTERM)
+      rc = proc.wait(120)
+    s = summarize(run, slo)
+    s["server_exit_code"] = rc
+    s["max_num_batched_tokens"] = token_bucket(policy)
+    results["policies"][policy] = s
+    results.setdefault("raw", {})[policy] = run["requests"]
+    print(f"{policy:>10}: {s['request_throughput']:.2f} req/s  {s['output_tok_s']:.1f} out tok/s  "
+          f"TTFT {s['ttft']['median_ms']:.0f} ms (p99 {s['ttft']['p99_ms']:.0f})  "
+          f"TPOT {s['tpot']['median_ms']:.1f} ms  ITL p99 {s['itl']['p99_ms']:.1f} ms  "
+          f"goodput {s['goodput_rps']:.2f} req/s ({s['good']}/{s['requests']})")
+  if FLAGS.offline:
+    off = offline_run(prompts)
+    cfg, source, tok = off.pop("cfg"), off.pop("source"), off.pop("tokenizer")
+    results["offline"] = off
+    fl = floors(cfg, max(off["decode_batch"], 1))
+    results["floors"] = fl
+    print(f"   offline: {off['wall_s']:.2f} s for {off['output_tokens']} tokens; decode step "
+          f"{off['decode_step_ms']:.1f} ms at batch {off['decode_batch']} (floors: bandwidth "
+          f"{fl['bandwidth_floor_ms']:.1f} ms, compute {fl['compute_floor_ms']:.1f} ms)")
+    for policy, s in results["policies"].items():
+      if FLAGS.request_rate <= 0:  # same workload all at once: wall times compare
+        over = s["wall_s"] / off["wall_s"] - 1
+        per_tok = 1e3 * (s["wall_s"] - off["wall_s"]) / max(FLAGS.max_tokens, 1)
+        s["overhead_vs_offline"] = over
+        s["overhead_ms_per_decode_round"] = per_tok
+        print(f"{policy:>10}: serving overhead {100 * over:+.1f}% of the offline wall time, "
+              f"{per_tok:+.1f} ms per decode round (offline step "
+              f"{off['decode_step_ms']:.1f} ms)")
+    if FLAGS.hf and str(source).endswith(".gguf"):
+      hf = hf_peer(source, tok, prompts, max(off["decode_batch"], 1))
+      results["hf"] = hf
+      if hf is not None:
+        print(f"   HF transformers: decode step {hf['step_ms']:.1f} ms at batch "
+              f"{max(off['decode_batch'], 1)} (static batch, same GGUF)")
+  path = write_json(FLAGS.output_dir, "serve_bench.json", results)
+  _figure(results, os.path.join(FLAGS.output_dir, "serve_bench.png"))
+  print(f"wrote {path}")
+
+
+def _figure(results, path):
+  from jaxinfer.plotting import pyplot, save
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for policy, reqs in results.get("raw", {}).items():
+    for ax, key in zip(axes, ("ttft_s", "itl_s")):
+      xs = sorted(1e3 * x for r in reqs for x in (r[key] if key == "itl_s" else [r[key]])
+                  if x is not None)
+      if xs:
+        ax.plot(xs, np.linspace(0, 1, len(xs)), label=policy)
+  for ax, name in zip(axes, ("TTFT (ms)", "ITL (ms)")):
+    ax.set_xlabel(name)
+    ax.set_ylabel("fraction of requests" if name.startswith("TTFT") else "fraction of gaps")
+    ax.legend()
+  save(fig, path)
+
+
+if __name__ == "__main__":
+  app.run(main)
