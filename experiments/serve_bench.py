@@ -4,16 +4,17 @@
   python -m experiments.serve_bench --policies=chunked --num_prompts=4 --max_tokens=8  # tiny
 
 For each scheduling policy a `python -m jaxinfer serve` process is started on 127.0.0.1
-(a free port; the workload runs once unmeasured so no measured step compiles); the official `openai` async client sends the
-prompts (chat, streamed, greedy, fixed output length) at Poisson or fixed-rate arrivals,
-or all at once (--request_rate=0). Per request: TTFT (send -> first text chunk), ITL (gaps
-between chunks), TPOT ((E2E - TTFT) / (tokens - 1)), E2E; per run: request throughput,
-output tok/s, mean / median / p99 of each, and goodput against --slo (requests meeting
-every bound, per second). The same prompts then run offline (`LLM.chat`, same engine
-flags, in this process): the serving overhead is the server's wall time over the
-offline one, minus 1, and per generated token beside the offline decode step. Beside the
-figures: this machine's bandwidth and compute floors of a decode step at the run's
-batch, and HF transformers' static-batch decode (--hf).
+(a free port; the workload runs once unmeasured so no measured step compiles); the
+official `openai` async client sends the prompts (chat, streamed, greedy, fixed output
+length) at Poisson or fixed-rate arrivals, or all at once (--request_rate=0).
+Per request: TTFT (send -> first text chunk), ITL (gaps between chunks), TPOT
+((E2E - TTFT) / (tokens - 1)), E2E. Per run: request throughput, output tok/s, mean /
+median / p99 of each, goodput against --slo (requests meeting every bound, per second),
+and the server's own step time (from its /metrics). The same prompts then run offline
+(`LLM.chat`, same engine flags, in this process): the serving overhead is the server's
+wall time over the offline one, minus 1, and per decode round beside the offline decode
+step. Beside the figures: this machine's bandwidth and compute floors of a decode step
+at the run's batch, and HF transformers' static-batch decode (--hf).
 """
 from __future__ import annotations
 
@@ -133,12 +134,30 @@ async def run_load(base: str, prompts, times) -> Dict:
     # Warm-up: the whole workload once, unmeasured, so the measured run compiles nothing
     # (the server compiles each bucket shape the first time a step needs it).
     await asyncio.gather(*(_one(client, m, 0.0, time.perf_counter()) for m in prompts))
+    steps0 = step_metric(base)
     t0 = time.perf_counter()
     reqs = await asyncio.gather(*(_one(client, m, t, t0) for m, t in zip(prompts, times)))
     wall = time.perf_counter() - t0
+    steps1 = step_metric(base)
   finally:
     await client.close()
-  return {"requests": reqs, "wall_s": wall}
+  n = steps1[1] - steps0[1]
+  return {"requests": reqs, "wall_s": wall, "server_steps": n,
+          "server_step_ms": 1e3 * (steps1[0] - steps0[0]) / n if n else None,
+          "server_step_busy": (steps1[0] - steps0[0]) / wall}
+
+
+def step_metric(base: str):
+  """(sum s, count) of the server's jaxinfer:step_duration_seconds: how long its engine
+  steps took, apart from the time between them."""
+  with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+    text = r.read().decode()
+  vals = {}
+  for line in text.splitlines():
+    for k in ("sum", "count"):
+      if line.startswith(f"jaxinfer:step_duration_seconds_{k}"):
+        vals[k] = float(line.rsplit(" ", 1)[1])
+  return vals.get("sum", 0.0), vals.get("count", 0.0)
 
 
 def _stats(xs) -> Dict:
@@ -185,6 +204,9 @@ def offline_run(prompts) -> Dict:
   steps = llm.engine.steps[n0:]
   dec = [s.duration for s in steps if s.num_prefill_tokens == 0 and s.num_seqs > 0]
   return {"wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outs),
+          "steps": len(steps),
+          "step_ms": 1e3 * sum(s.duration for s in steps) / max(len(steps), 1),
+          "step_busy": sum(s.duration for s in steps) / wall,
           "decode_step_ms": 1e3 * float(np.median(dec)) if dec else None,
           "decode_batch": int(np.median([s.num_seqs for s in steps if s.num_prefill_tokens == 0]))
           if dec else 0, "cfg": llm.cfg, "tokenizer": llm.tokenizer, "source": llm.model.source}
@@ -235,6 +257,8 @@ def main(argv):
     s = summarize(run, slo)
     s["server_exit_code"] = rc
     s["max_num_batched_tokens"] = token_bucket(policy)
+    for k in ("server_steps", "server_step_ms", "server_step_busy"):
+      s[k] = run[k]
     results["policies"][policy] = s
     results.setdefault("raw", {})[policy] = run["requests"]
     print(f"{policy:>10}: {s['request_throughput']:.2f} req/s  {s['output_tok_s']:.1f} out tok/s  "
@@ -258,7 +282,10 @@ def main(argv):
         s["overhead_ms_per_decode_round"] = per_tok
         print(f"{policy:>10}: serving overhead {100 * over:+.1f}% of the offline wall time, "
               f"{per_tok:+.1f} ms per decode round (offline step "
-              f"{off['decode_step_ms']:.1f} ms)")
+              f"{off['decode_step_ms']:.1f} ms); steps: server {s['server_steps']:.0f} x "
+              f"{s['server_step_ms']:.1f} ms ({100 * s['server_step_busy']:.0f}% of its wall), "
+              f"offline {off['steps']} x {off['step_ms']:.1f} ms "
+              f"({100 * off['step_busy']:.0f}%)")
     if FLAGS.hf and str(source).endswith(".gguf"):
       hf = hf_peer(source, tok, prompts, max(off["decode_batch"], 1))
       results["hf"] = hf

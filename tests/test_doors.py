@@ -28,3 +28,18 @@ def test_pallas_kernels_import_only_jax_and_numpy():
         names = [node.module]
       for n in names:
         assert n.split(".")[0] in allowed, f"{f.name} imports {n}"
+
+
+def test_the_engine_never_imports_serving_and_serving_uses_no_private_engine_names():
+  """ARCHITECTURE: serving/ talks to the engine through its public calls; the runtime,
+  executors and model never import serving/."""
+  import re
+  for sub in ("runtime", "executors", "model", "kv", "costmodel"):
+    for f in (ROOT / "jaxinfer" / sub).rglob("*.py"):
+      for node in ast.walk(ast.parse(f.read_text())):
+        mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        assert not any(m.startswith("jaxinfer.serving") for m in mods), f"{f} imports {mods}"
+  for f in (ROOT / "jaxinfer" / "serving").rglob("*.py"):
+    private = re.findall(r"\b(?:engine|eng)\._[a-z]\w*", f.read_text())
+    assert not private, f"{f.name} reaches into the engine: {private}"
