@@ -188,13 +188,13 @@ def summarize(run: Dict, slo: Dict[str, float]) -> Dict:
           "e2e": _stats([r["e2e_s"] for r in reqs])}
 
 
-def offline_run(prompts) -> Dict:
-  """The same prompts through LLM.chat in this process, same engine flags (policy
-  chunked), after a warm-up: wall time and the median decode-only step."""
+def offline_run(loaded, prompts, policy: str) -> Dict:
+  """The same prompts through LLM.chat in this process, the server's engine flags for
+  `policy`, after a warm-up: wall time, steps and the median decode-only step."""
   from jaxinfer.config import SamplingParams
   from jaxinfer.llm import LLM
-  llm = LLM(FLAGS.model, max_num_seqs=FLAGS.max_num_seqs,
-            max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=1024)
+  llm = LLM(loaded, policy=policy, max_num_seqs=FLAGS.max_num_seqs,
+            max_num_batched_tokens=token_bucket(policy), max_model_len=1024)
   sp = SamplingParams(max_tokens=FLAGS.max_tokens, ignore_eos=True)
   llm.chat(prompts, sp)  # warm-up, as for the server: the same workload once
   n0 = len(llm.engine.steps)
@@ -266,15 +266,21 @@ def main(argv):
           f"TPOT {s['tpot']['median_ms']:.1f} ms  ITL p99 {s['itl']['p99_ms']:.1f} ms  "
           f"goodput {s['goodput_rps']:.2f} req/s ({s['good']}/{s['requests']})")
   if FLAGS.offline:
-    off = offline_run(prompts)
-    cfg, source, tok = off.pop("cfg"), off.pop("source"), off.pop("tokenizer")
-    results["offline"] = off
+    from jaxinfer.loading import load_model
+    loaded = load_model(FLAGS.model, "float32")
+    results["offline"] = {}
+    for policy in FLAGS.policies:
+      off = offline_run(loaded, prompts, policy)
+      cfg, source, tok = off.pop("cfg"), off.pop("source"), off.pop("tokenizer")
+      results["offline"][policy] = off
+      print(f"   offline {policy}: {off['wall_s']:.2f} s for {off['output_tokens']} tokens; "
+            f"decode step {off['decode_step_ms']:.1f} ms at batch {off['decode_batch']}")
     fl = floors(cfg, max(off["decode_batch"], 1))
     results["floors"] = fl
-    print(f"   offline: {off['wall_s']:.2f} s for {off['output_tokens']} tokens; decode step "
-          f"{off['decode_step_ms']:.1f} ms at batch {off['decode_batch']} (floors: bandwidth "
-          f"{fl['bandwidth_floor_ms']:.1f} ms, compute {fl['compute_floor_ms']:.1f} ms)")
+    print(f"   floors of a batch-{max(off['decode_batch'], 1)} decode step here: bandwidth "
+          f"{fl['bandwidth_floor_ms']:.1f} ms, compute {fl['compute_floor_ms']:.1f} ms")
     for policy, s in results["policies"].items():
+      off = results["offline"][policy]
       if FLAGS.request_rate <= 0:  # same workload all at once: wall times compare
         over = s["wall_s"] / off["wall_s"] - 1
         per_tok = 1e3 * (s["wall_s"] - off["wall_s"]) / max(FLAGS.max_tokens, 1)

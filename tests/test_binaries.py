@@ -203,6 +203,6 @@ def test_serve_bench_tiny(tmp_path):
   p = d["policies"]["continuous"]
   assert p["requests"] == 2 and p["output_tokens"] == 2 * 4 and p["server_exit_code"] == 0
   assert p["ttft"]["median_ms"] > 0 and p["e2e"]["p99_ms"] >= p["ttft"]["p99_ms"]
-  assert d["offline"]["output_tokens"] == 2 * 4
+  assert d["offline"]["continuous"]["output_tokens"] == 2 * 4
   assert d["floors"]["bandwidth_floor_ms"] > 0 and d["floors"]["compute_floor_ms"] > 0
   assert "serving overhead" in out and (tmp_path / "serve_bench.png").stat().st_size > 5_000
