@@ -53,7 +53,7 @@ def test_chunked_prefix_hits_and_preemption_equal_recompute(smollm2):
 @pytest.mark.slow
 def test_warm_engine_never_recompiles(smollm2):
   eng = make(smollm2)
-  t = eng.warmup()
+  eng.warmup()
   before = model_step._cache_size()
   rng = np.random.default_rng(3)
   for i in range(6):  # mixed lengths, arrivals, sampling parameters
@@ -63,7 +63,6 @@ def test_warm_engine_never_recompiles(smollm2):
     eng.step()
   eng.run()
   assert model_step._cache_size() == before, "a warm engine compiled a new step shape"
-  assert t > 0
 
 
 def test_sim_and_real_make_the_same_decisions(smollm2):

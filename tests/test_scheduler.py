@@ -1,4 +1,5 @@
 """Scheduler and engine on the simulated clock (no model): policies, budget, memory."""
+import numpy as np
 import pytest
 
 from jaxinfer.buckets import BucketTable
@@ -135,12 +136,32 @@ def test_prefix_cache_skips_cached_prompt():
 
 
 def test_littles_law_and_goodput_fields():
-  eng = engine("chunked", max_running=4)
-  run(eng, [(0.01 * i, 300, 5) for i in range(8)])
+  """Little's law against N(t) sampled on a time grid (requests that have arrived and not
+  finished, waiting ones included), goodput against deadlines checked from the requests'
+  own timestamps, ITL percentiles against the token times."""
+  eng = engine("chunked", max_running=2)
+  trace = [(0.01 * i, 300, 5) for i in range(8)]
+  for i, (t, n_in, n_out) in enumerate(trace):  # every other request: a tight deadline
+    eng.add_request([7] * n_in, SamplingParams(max_tokens=n_out, ignore_eos=True),
+                    request_id=i, arrival_time=t, deadline_s=0.15 if i % 2 else None)
+  reqs = eng.run()
   m = eng.metrics()
-  assert m["littles_law"]["mean_in_system"] == pytest.approx(m["littles_law"]["lambda_times_T"])
-  assert m["num_finished"] == 8 and m["goodput_rps"] == m["completion_rps"]
-  assert m["itl_s"]["p50"] <= m["itl_s"]["p99"] <= m["itl_s"]["max"]
+  t0 = min(r.arrival_time for r in reqs)
+  t1 = max(r.finished_at for r in reqs)
+  grid = np.linspace(t0, t1, 200_001)[:-1] + (t1 - t0) / 400_000  # midpoints
+  n_t = sum(((r.arrival_time <= grid) & (grid < r.finished_at)).astype(int) for r in reqs)
+  assert n_t.max() > 2  # requests waited: N(t) counts more than the running batch
+  ll = m["littles_law"]
+  assert ll["mean_in_system"] == pytest.approx(n_t.mean(), rel=1e-3)
+  assert ll["lambda_times_T"] == pytest.approx(n_t.mean(), rel=1e-3)
+  on_time = [r for r in reqs if r.deadline_s is None or r.finished_at - r.arrival_time
+             <= r.deadline_s]
+  assert 4 <= len(on_time) < 8 and m["num_good"] == len(on_time)
+  assert m["goodput_rps"] == pytest.approx(len(on_time) / (t1 - t0))
+  assert m["completion_rps"] == pytest.approx(8 / (t1 - t0))
+  gaps = np.concatenate([np.diff(r.token_times) for r in reqs])
+  assert m["itl_s"]["p99"] == pytest.approx(np.percentile(gaps, 99))
+  assert m["itl_s"]["max"] == pytest.approx(gaps.max())
 
 
 def test_admission_never_evicts_the_prefix_it_matched():
