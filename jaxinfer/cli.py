@@ -150,10 +150,8 @@ def _generate():
   msgs = (lambda p: ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
           [{"role": "user", "content": p}])
   if FLAGS.stream:
-    n_out = 0
     for piece in (llm.stream_chat(msgs(prompts[0]), sps[0]) if FLAGS.chat
                   else llm.stream(prompts[0], sps[0])):
-      n_out += 1
       print(piece, end="", flush=True)
     print()
     print(f"[jaxinfer] {llm.cfg.name}: load {t_load:.1f}s, streamed in "

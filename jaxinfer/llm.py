@@ -152,7 +152,7 @@ class LLM:
       raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character "
                        f"{e.start} ({prompt[e.start:e.end]!r})") from None
     if chat:
-      prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+      prompt = self.chat_prompt([{"role": "user", "content": prompt}])
     return self.tokenizer.encode(prompt)
 
   def chat_prompt(self, messages: Sequence[dict]) -> str:
@@ -185,7 +185,6 @@ class LLM:
       raise ValueError(f"model {self.cfg.name!r} has no tokenizer: nothing to stream as text")
     params = params or SamplingParams()
     ids = self.encode_prompt(prompt, chat)
-    self.engine.validate_request(ids, params)
     r = self.engine.add_request(ids, params, prompt=prompt if isinstance(prompt, str) else None)
     detok = IncrementalDetokenizer(self.tokenizer, params.stop)
     sent = 0

@@ -117,3 +117,41 @@ def test_queue_limit_and_shutdown_on_the_engine_thread():
   assert not svc.alive and eng.pm.num_free == 64
   with pytest.raises(RuntimeError, match="not running"):
     svc.submit([1], sp, deliver("e"))
+
+
+def test_a_dead_engine_loop_answers_every_request_it_holds():
+  """If the loop itself dies, the running request and the one still in the command queue
+  both get an error update (neither client waits forever), and new submits are refused."""
+  ex = _GatedSim()
+  ex.free_steps = 0
+  eng = Engine(ex, SchedulerConfig(policy="continuous", max_running=2),
+               buckets=BucketTable.default(max_tokens=32, max_requests=2, max_pages=16))
+  svc = EngineService(eng, max_queue=4).start()
+  got = {}
+  both = threading.Event()
+
+  def deliver(name):
+    def f(u):
+      got[name] = (u.finish_reason, u.error)
+      if len(got) == 2:
+        both.set()
+    return f
+
+  def broken_step():
+    assert ex.gate.wait(30)
+    raise RuntimeError("device lost")
+
+  eng.step = broken_step
+  sp = SamplingParams(max_tokens=3, ignore_eos=True)
+  svc.submit([1, 2], sp, deliver("running"))
+  for _ in range(200):  # bounded: until "running" was added and the loop sits in step()
+    if eng.requests:
+      break
+    threading.Event().wait(0.01)
+  svc.submit([3], sp, deliver("queued"))
+  ex.gate.set()
+  assert both.wait(30), got
+  assert got["running"][0] == "error" and "device lost" in got["running"][1]
+  assert got["queued"][0] == "error" and svc.num_queued == 0
+  with pytest.raises(RuntimeError, match="not running"):
+    svc.submit([4], sp, deliver("late"))

@@ -37,11 +37,14 @@ def _sse(obj) -> str:
   return f"data: {strict_json.dumps(obj)}\n\n"
 
 
-def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_len: int,
-              api_key: Optional[str] = None, default_max_tokens: int = 512,
-              metrics=None, default_deadline_s: Optional[float] = None) -> FastAPI:
+def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional[str] = None,
+              default_max_tokens: int = 512, metrics=None,
+              default_deadline_s: Optional[float] = None) -> FastAPI:
+  """`llm`: the LLM whose engine `service` runs; its prompt encoding and chat template
+  are used here (they read no engine state)."""
   app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
+  tokenizer, max_model_len = llm.tokenizer, llm.max_model_len
 
   def _error(e: ApiError) -> Response:
     if metrics is not None:
@@ -69,14 +72,11 @@ def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_l
                      f"{model_name!r}", "model", code="model_not_found")
     return body
 
-  def _encode(prompt) -> List[int]:
-    if isinstance(prompt, str):
-      try:
-        prompt.encode("utf-8")
-      except UnicodeEncodeError as e:
-        raise bad("prompt", f"prompt is not valid Unicode text at character {e.start}") from None
-      return tokenizer.encode(prompt)
-    return prompt
+  def _encode(prompt, param: str) -> List[int]:
+    try:
+      return llm.encode_prompt(prompt)
+    except ValueError as e:
+      raise bad(param, str(e)) from None
 
   def _validate(ids: List[int], sp, extras):
     if not extras["max_tokens_given"]:  # default: whatever fits the context, up to the cap
@@ -156,12 +156,13 @@ def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_l
     if chat:
       msgs = messages_from_body(body)
       try:
-        text = tokenizer.apply_chat_template(msgs)
+        text = llm.chat_prompt(msgs)
       except Exception as e:  # noqa: BLE001 -- a template error names the messages
         raise bad("messages", f"the chat template rejected the messages: {e}") from None
-      base = [(text, _encode(text))]
+      base = [(text, _encode(text, "messages"))]
     else:
-      base = [(p if isinstance(p, str) else None, _encode(p)) for p in prompts_from_body(body)]
+      base = [(p if isinstance(p, str) else None, _encode(p, "prompt"))
+              for p in prompts_from_body(body)]
     prompts, sps, texts = [], [], []
     extras["prompt_tokens"] = sum(len(ids) for _, ids in base)
     for text, ids in base:
@@ -175,12 +176,12 @@ def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_l
     rid = f"{kind}-{uuid.uuid4().hex}"
     rids, q = await _start(request, prompts, sps, extras, texts)
     if extras["stream"]:
-      return StreamingResponse(_stream(request, rid, chat, rids, q, prompts, extras),
+      return StreamingResponse(_stream(request, rid, chat, rids, q, extras),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
-    return await _collect(request, rid, chat, rids, q, prompts, extras)
+    return await _collect(request, rid, chat, rids, q, extras)
 
-  async def _collect(request, rid, chat, rids, q, prompts, extras):
+  async def _collect(request, rid, chat, rids, q, extras):
     texts = [""] * len(rids)
     toks: List[List[int]] = [[] for _ in rids]
     lps: List[List[float]] = [[] for _ in rids]
@@ -227,7 +228,7 @@ def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_l
                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                  "total_tokens": n_prompt + n_out}})
 
-  async def _stream(request, rid, chat, rids, q, prompts, extras):
+  async def _stream(request, rid, chat, rids, q, extras):
     obj = "chat.completion.chunk" if chat else "text_completion"
     t_created = int(time.time())
 
@@ -248,12 +249,10 @@ def build_app(service: EngineService, *, model_name: str, tokenizer, max_model_l
 
     left = len(rids)
     n_out = 0
-    started = [False] * len(rids)
     finished = False
     try:
       if chat:
         for i in range(len(rids)):
-          started[i] = True
           yield chunk(i, "", first=True)
       while left:
         item = await _next(request, q)

@@ -19,7 +19,6 @@ import threading
 from typing import Callable, Dict, List, Optional
 
 from jaxinfer.config import SamplingParams
-from jaxinfer.runtime.request import State
 from jaxinfer.serving.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -34,8 +33,6 @@ class Update:
   logprobs: List[float]
   finish_reason: Optional[str] = None
   error: Optional[str] = None
-  prompt_tokens: int = 0
-  cached_tokens: int = 0
 
 
 class QueueFullError(RuntimeError):
@@ -137,11 +134,9 @@ class EngineService:
                                     deadline_s=deadline_s)
       except Exception as e:  # noqa: BLE001 -- validated before; report, never crash
         self._dequeue(t)
-        t.deliver(Update("", [], [], "error", f"{type(e).__name__}: {e}", len(ids)))
+        t.deliver(Update("", [], [], "error", f"{type(e).__name__}: {e}"))
         return
       self._tracks[t.rid] = t
-      if self.metrics is not None:
-        self.metrics.on_arrival(t.request)
     elif cmd == "abort":
       if a in self._tracks:
         eng.abort(a)
@@ -150,7 +145,7 @@ class EngineService:
     done = []
     for rid, t in self._tracks.items():
       r = t.request
-      if t.waiting and (r.state != State.WAITING or r.num_computed > 0 or r.state.done):
+      if t.waiting and (r.first_admitted_at is not None or r.state.done):
         self._dequeue(t)
       n = len(r.output_token_ids)
       finished = r.state.done
@@ -165,8 +160,7 @@ class EngineService:
       if finished:
         self._dequeue(t)
         done.append(rid)
-        upd = Update(text, new, lps, r.finish_reason, r.error or r.reject_reason,
-                     len(r.prompt_token_ids), r.cached_tokens)
+        upd = Update(text, new, lps, r.finish_reason, r.error or r.reject_reason)
         if self.metrics is not None:
           self.metrics.on_finish(r)
       else:
@@ -213,19 +207,25 @@ class EngineService:
       log.exception("the engine loop stopped")
       self.error = e
       self._stopping.set()
+      msg = f"engine stopped: {type(e).__name__}: {e}"
       for t in list(self._tracks.values()):
-        t.deliver(Update("", [], [], "error", f"engine stopped: {type(e).__name__}: {e}"))
+        self._dequeue(t)
+        t.deliver(Update("", [], [], "error", msg))
       self._tracks.clear()
+      self._refuse_pending("error", msg)
 
   def _abort_all(self) -> None:
-    eng = self.engine
-    eng.abort_requests(list(self._tracks))
+    self.engine.abort_requests(list(self._tracks))
     self._publish()
-    while True:  # requests submitted but never added
+    self._refuse_pending("abort", "the server is shutting down")
+
+  def _refuse_pending(self, reason: str, msg: str) -> None:
+    """Answer the requests submitted but never added (their clients would wait forever)."""
+    while True:
       try:
         cmd = self._cmds.get_nowait()
       except queue.Empty:
-        break
+        return
       if cmd[0] == "add":
         self._dequeue(cmd[1])
-        cmd[1].deliver(Update("", [], [], "abort", "the server is shutting down"))
+        cmd[1].deliver(Update("", [], [], reason, msg))

@@ -55,9 +55,6 @@ class ServerMetrics:
                                  "engine, by HTTP status.", ("status",))
 
   # --- engine thread -------------------------------------------------------------------------
-  def on_arrival(self, request) -> None:
-    pass  # gauges are refreshed after every step
-
   def on_step(self, record, engine) -> None:
     self.step.observe(record.duration)
     self.padding.inc(record.padded_tokens)

@@ -121,9 +121,12 @@ def sampling_from_body(body: Dict[str, Any], *, chat: bool, max_model_len: int,
   opts = body.get("stream_options") or {}
   if not isinstance(opts, dict):
     raise bad("stream_options", f"stream_options must be an object, got {opts!r}")
+  if not isinstance(opts.get("include_usage", False), bool):
+    raise bad("stream_options.include_usage", "stream_options.include_usage must be a "
+              f"boolean, got {opts['include_usage']!r}")
   deadline = _num(body, "deadline_s", None, lo=1e-3)
   return n, sp, {"logprobs": want_lp, "stream": stream,
-                 "include_usage": bool(opts.get("include_usage", False)),
+                 "include_usage": opts.get("include_usage", False),
                  "deadline_s": deadline, "max_tokens_given": body.get(mt_name) is not None}
 
 

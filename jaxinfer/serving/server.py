@@ -24,8 +24,7 @@ def make_app(llm, *, model_name: str, api_key: Optional[str] = None, max_queue: 
   metrics = ServerMetrics(model_name)
   service = EngineService(llm.engine, max_queue=max_queue, metrics=metrics)
   metrics.refresh(llm.engine)
-  app = build_app(service, model_name=model_name, tokenizer=llm.tokenizer,
-                  max_model_len=llm.max_model_len, api_key=api_key,
+  app = build_app(service, llm, model_name=model_name, api_key=api_key,
                   default_max_tokens=default_max_tokens, metrics=metrics,
                   default_deadline_s=deadline_s)
 
