@@ -80,12 +80,14 @@ def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
 
 
 def uniform_step(batch: int, context: int, new_tokens: int = 1, page_size: int = 16,
-                 token_ids: int = 7) -> Tuple[StepInput, int]:
+                 token_ids: int = 7, page_width: int = 0) -> Tuple[StepInput, int]:
   """A step of `batch` requests with `new_tokens` each after `context` cached tokens,
-  packed at exactly its own shape. Returns (step, pages the pool needs)."""
+  packed at exactly its own shape, or with page tables `page_width` pages wide (a bucket
+  wider than the context, as a table with few page tiers runs it). Returns (step, pages
+  the pool needs)."""
   pages = pages_for(context + new_tokens, page_size)
   table = BucketTable(token_sizes=(batch * new_tokens,), request_sizes=(batch,),
-                      page_sizes=(pages,), query_sizes=(new_tokens,))
+                      page_sizes=(max(pages, page_width),), query_sizes=(new_tokens,))
   works = [SeqWork([token_ids] * new_tokens, context, list(range(i * pages, (i + 1) * pages)))
            for i in range(batch)]
   return pack(works, table, page_size, batch * pages), batch * pages

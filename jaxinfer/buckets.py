@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 from typing import Iterator, Tuple
 
 
@@ -114,18 +113,41 @@ class BucketTable:
                   max_query_len=Q, num_logits=R if num_logits <= R else T, prefill_slots=Rp)
 
   def all_buckets(self, verify: bool = False) -> Iterator[Bucket]:
-    """Every shape `select` can return (the warm-up set); verify: also the shapes of
-    speculative verify steps (logits at every token, S = T)."""
+    """Exactly the shapes `select` can return for a step that fits the table (the warm-up
+    set): nothing reachable is missed and nothing unreachable is compiled. verify: also the
+    shapes of speculative verify steps (logits at every token, S = T).
+
+    A step is d one-token works plus p works of 2..q tokens each (n tokens in all, so
+    d + q + 2(p - 1) <= n <= d + p q, and d + p <= the largest request size). `select`
+    depends on n and q only through their buckets, so one (d, p) pair, one query bucket
+    and one token bucket is reachable when those n-intervals meet."""
     seen = set()
-    for R, P, T in itertools.product(self.request_sizes, self.page_sizes, self.token_sizes):
-      if T < R and T != self.token_sizes[-1]:
-        continue  # R one-token requests use the smallest T >= R
-      # select() caps Q at T, so a query size above T runs as Q = T.
-      shapes = [(1, 0)] + sorted({(min(Q, T), Rp) for Q in self.query_sizes
-                                  for Rp in self.prefill_slot_sizes if Rp <= R})
-      for Q, Rp in shapes:
-        for S in ((R, T) if verify and Rp else (R,)):
-          b = Bucket(T, R, P, Q, S, Rp)
-          if b not in seen:
-            seen.add(b)
-            yield b
+    out = []
+
+    def add(b: Bucket) -> None:
+      if b not in seen:
+        seen.add(b)
+        out.append(b)
+
+    maxR, maxT = self.max_requests, self.max_tokens
+    t_lo = (0,) + self.token_sizes[:-1]
+    q_ranges = [(max(lo + 1, 2), min(hi, maxT)) for lo, hi in
+                zip((0,) + self.query_sizes[:-1], self.query_sizes)]
+    q_ranges = [(lo, hi) for lo, hi in q_ranges if lo <= hi]
+    for P in self.page_sizes:
+      for d in range(1, min(maxR, maxT) + 1):  # decode-only steps: n = d
+        add(self.select(d, d, P))
+      for p in range(1, maxR + 1):
+        for d in range(0, maxR - p + 1):
+          for qlo, qhi in q_ranges:
+            for tlo, thi in zip(t_lo, self.token_sizes):
+              n_lo = max(tlo + 1, d + qlo + 2 * (p - 1))
+              if n_lo > min(thi, d + p * qhi):
+                continue
+              # the largest q of the range keeps n's interval widest; any q gives one Q
+              q = max(qlo, min(qhi, n_lo - d - 2 * (p - 1)))
+              b = self.select(n_lo, d, P, q, p)
+              add(b)
+              if verify and b.num_tokens > b.num_requests:
+                add(dataclasses.replace(b, num_logits=b.num_tokens))
+    return iter(out)

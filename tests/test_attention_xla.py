@@ -55,8 +55,21 @@ def test_padding_slots_and_q_precision():
 @pytest.mark.parametrize("reqs", [[(100, 1)], [(33, 1), (70, 1), (9, 5)], [(0, 16)],
                                   [(20, 1), (0, 12), (0, 3)]])
 def test_few_decode_slots_and_fresh_prompts(reqs):
-  """At most MAX_DOT_FORM_SLOTS decode slots take the reference's one-gather form;
-  prefill slots none of which has cached tokens skip the cached part."""
+  """At most MAX_DOT_FORM_SLOTS decode slots take the dot form; prefill slots none of
+  which has cached tokens run no cached block."""
   assert sum(n == 1 for _, n in reqs) <= xla.MAX_DOT_FORM_SLOTS
   rng = np.random.default_rng()
   _check(make_case(rng, "bf16", 16, 9, 3, 64, reqs), reqs, block_pages=None)
+
+
+def test_page_tables_wider_than_the_context_change_nothing():
+  """A bucket's page tables may be far wider than any request's context (one page tier
+  for the whole table): the columns past the context hold a NaN-poisoned page and must
+  neither leak into the output nor change it."""
+  reqs = [(70, 1), (5, 1), (40, 1), (33, 6)]
+  case = make_case(np.random.default_rng(3), "f32", 16, 9, 3, 64, reqs)
+  pt = case[5]
+  stale = pt[1, -1]  # slot 1 (5 tokens) holds one page: its table is padded with a stale one
+  wide = np.concatenate([pt, np.full((len(pt), 60), stale, pt.dtype)], axis=1)
+  for bp in (None, 2):
+    _check(case[:5] + (wide,) + case[6:], reqs, bp)

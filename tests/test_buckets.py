@@ -7,9 +7,39 @@ from jaxinfer.buckets import BucketError, BucketTable
 from jaxinfer.runtime.batcher import SeqWork, pack
 
 
-def test_select_pads_up_and_all_buckets_cover_it():
+def _reachable(t, pages=(1,)):
+  """Brute force: the bucket of every step that fits the table (d one-token works, p works
+  of 2..q tokens, n tokens in all)."""
+  out = set()
+  for P in pages:
+    for d in range(1, t.max_requests + 1):
+      if d <= t.max_tokens:
+        out.add(t.select(d, d, P))
+    for d, p in itertools.product(range(t.max_requests + 1), range(1, t.max_requests + 1)):
+      if d + p > t.max_requests:
+        continue
+      for q in range(2, t.max_tokens + 1):
+        for n in range(d + q + 2 * (p - 1), min(t.max_tokens, d + p * q) + 1):
+          out.add(t.select(n, d, P, q, p))
+  return out
+
+
+@pytest.mark.parametrize("table", [
+    BucketTable(token_sizes=(4, 8, 32), request_sizes=(2, 6), page_sizes=(4, 16)),
+    BucketTable(token_sizes=(8, 32), request_sizes=(1, 4, 8), page_sizes=(4,),
+                query_sizes=(1, 4, 32), prefill_slot_sizes=(1, 8)),
+    BucketTable(token_sizes=(16, 24), request_sizes=(16,), page_sizes=(2,),
+                query_sizes=(24,), prefill_slot_sizes=(1, 2, 16))])
+def test_all_buckets_is_exactly_what_select_can_return(table):
+  """Warm-up compiles every shape a step can run at (a miss compiles mid-run) and none that
+  no step can (each costs a compile, ~1.5 s here)."""
+  warm = list(table.all_buckets())
+  assert len(warm) == len(set(warm))
+  assert set(warm) == _reachable(table, table.page_sizes)
+
+
+def test_select_pads_up():
   t = BucketTable(token_sizes=(4, 16, 64), request_sizes=(2, 8), page_sizes=(4, 16))
-  warm = set(t.all_buckets())
   for n_tok, n_dec, n_pre, pages, q in itertools.product(range(1, 65, 7), range(0, 7), (0, 1, 2),
                                                          (1, 5, 16), (2, 3, 16)):
     if n_dec + n_pre == 0 or n_dec + n_pre * q > n_tok:
@@ -22,24 +52,21 @@ def test_select_pads_up_and_all_buckets_cover_it():
       assert b.num_requests - b.prefill_slots >= n_dec and b.prefill_slots >= n_pre
     if n_pre:
       assert b.max_query_len >= min(q, b.num_tokens)
-    assert b in warm, b
   assert t.select(5, 1, 1).num_tokens == 16
   # 5 decodes + 3 prefills fit 8 slots, but 5 + 4 padded prefill slots would not: every
   # slot becomes prefill-capable.
   b = t.select(20, 5, 4, 8, 3)
-  assert (b.num_requests, b.prefill_slots) == (8, 8) and b in warm
+  assert (b.num_requests, b.prefill_slots) == (8, 8) and b in set(t.all_buckets())
 
 
-def test_all_buckets_cover_query_sizes_above_small_token_sizes():
-  """A query size larger than a token size runs as Q = T there (select caps it); warm-up
-  must compile those shapes too, or a measured run pays for the compile mid-trace."""
-  t = BucketTable(token_sizes=(16, 64, 256), request_sizes=(16,), page_sizes=(16,),
-                  query_sizes=(256,), prefill_slot_sizes=(1, 2, 16))
-  warm = set(t.all_buckets())
-  for n_tok, n_pre in itertools.product((5, 20, 90, 200), (1, 2, 3)):
-    b = t.select(n_tok + 4, 4, 8, n_tok // n_pre + 1, n_pre)
-    assert b in warm, b
-  assert len(warm) == 3 * 4  # per token size: decode + three prefill-slot counts
+def test_verify_shapes_add_logits_at_every_token():
+  t = BucketTable(token_sizes=(8, 32), request_sizes=(4,), page_sizes=(4,))
+  plain, ver = set(t.all_buckets()), set(t.all_buckets(verify=True))
+  assert plain < ver
+  for b in ver - plain:
+    assert b.num_logits == b.num_tokens > b.num_requests and b.prefill_slots
+  # a verify step of 2 requests x (1 + 4 drafts): 10 logits rows > 4 slots -> S = T
+  assert t.select(10, 0, 2, 5, 2, num_logits=10) in ver
 
 
 def test_pack_is_padded_and_never_truncates():

@@ -32,6 +32,10 @@ flags.DEFINE_list("prefill_lens", ["128", "512"], "prompt lengths of the prefill
 flags.DEFINE_list("kv_formats", ["f32"], "KV formats to run the decode grid in")
 flags.DEFINE_list("attention", ["xla"], "attention backends (xla, reference, pallas); with "
                   "several, each cell runs them back to back, so they share the machine's state")
+flags.DEFINE_integer("page_width", 0, "pages per request of the steps' page tables (0: just "
+                     "the context's; larger: a bucket wider than the context)")
+flags.DEFINE_integer("prefill_context", 0, "cached tokens before each prefill row (a later "
+                     "chunk of a long prompt, or a prefix-cache hit)")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -128,7 +132,7 @@ def main(argv):
         if pool_gib > FLAGS.max_pool_gib:
           skipped.append(f"{kv_format} batch {B} context {ctx}: pool {pool_gib:.1f} GiB")
           continue
-        step, num_pages = bm.uniform_step(B, ctx, 1, ps)
+        step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
         seqs = [(1, ctx)] * B
         bw_floor = costs.step_bytes(seqs) / bw
         c_floor = costs.step_flops(seqs) / rate(B, B)
@@ -153,14 +157,15 @@ def main(argv):
   pre = []
   costs = ModelCosts(cfg, 4.0, "f32", ps)
   for n in (int(x) for x in FLAGS.prefill_lens if x):
-    step, num_pages = bm.uniform_step(1, 0, n, ps)
-    flops = costs.step_flops([(n, 0)])
-    th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None else None
+    c0 = FLAGS.prefill_context
+    step, num_pages = bm.uniform_step(1, c0, n, ps, page_width=FLAGS.page_width)
+    flops = costs.step_flops([(n, c0)])
+    th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None and not c0 else None
     for backend in FLAGS.attention:
       ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
       t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
       del ex
-      pre.append({"attention": backend, "tokens": n, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
+      pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
                   "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
                   "compute_floor_ms": 1e3 * flops / rate(n, 1),
                   "hf_ms": None if th is None else 1e3 * th,

@@ -4,21 +4,21 @@ Same arguments and semantics as `reference.py` (the oracle this is tested agains
 what differs is how the work is laid out, chosen by measuring each op on a 2-core
 x86 machine (per-op profile in the README's performance section):
 
-- Decode slots (one new token each) take their own path, written as multiply-and-reduce
-  over [K, R, S, G, H] rather than as dots: XLA:CPU then fuses the page gather into the
-  reductions, so no gathered copy of the KV is written and read back (a G-row dot per
-  (head, request), the reference's form, also runs 4-5x under XLA:CPU's dot peak).
-- With more than MAX_DOT_FORM_SLOTS decode slots, pages are gathered in blocks (about
-  BLOCK_TOKENS tokens over all slots) with an online softmax (the Pallas
-  kernel's algorithm, in XLA ops) under a loop whose trip count is the step's longest
-  real context, not the bucket's page count: a decode step reads only the pages its
-  requests hold, and each gathered block stays in cache between the gather and the dots.
-  The gather takes whole page rows (`jnp.take` on [pages, page_size * Hc], clipped:
+- Every part that reads cached KV loops over blocks of pages with an online softmax (the
+  Pallas kernel's algorithm, in XLA ops) whose trip count is the step's longest real
+  context, not the bucket's page count. A step therefore reads only the pages its
+  requests hold, and its cost does not depend on how wide the bucket's page tables are:
+  a bucket table needs one tier of pages per request, not a ladder (8.2.4: fewer
+  compiled shapes). Each gathered block stays in cache between the gather and the dots.
+- Decode slots (one new token each) take their own path. With more than
+  MAX_DOT_FORM_SLOTS slots it is written as multiply-and-reduce over [K, R, S, G, H]
+  rather than as dots: XLA:CPU then fuses the page gather into the reductions (a G-row
+  dot per (head, request) runs 4-5x under XLA:CPU's dot peak); with one or two slots the
+  dot form is faster.
+- Slots with several new tokens (prefill chunks, verify windows) score their own new
+  tokens causally first, then the cached blocks; their query rows make the dots large.
+- The gather takes whole page rows (`jnp.take` on [pages, page_size * Hc], clipped:
   "fill" mode adds a select to every element).
-- Slots with several new tokens (prefill chunks, verify windows) go through the
-  reference's grouped computation: their query rows make the dots large enough already.
-  When none of them has cached tokens (fresh prompts), the cached part is skipped
-  instead of computed over the bucket's page width and masked.
 
 Masked keys are dropped from the softmax and their V rows zeroed, so stale pages that
 hold NaN never contribute (tested with NaN-poisoned pools like the other two).
@@ -29,20 +29,38 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
-from pallas_kernels.paged_attention import reference
 
 _NEG = -1e30
 # Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
 # R=16 -> 32, R=4 -> 128 (measured on SmolLM2's shapes: below this the loop's per-block
 # overhead dominates, above it the gathered block leaves the cache).
 BLOCK_TOKENS = 8192
-# Up to this many decode slots the reference's one-gather dot form is faster (measured:
-# R=1 at 1024 context 16.6 vs 21.9 ms over 30 layers; R=4: 47 vs 39 ms).
+# Tokens per slot per block at most: with few slots a block of BLOCK_TOKENS would read
+# far past a short context (the last block is read whole).
+SLOT_BLOCK_TOKENS = 1024
+# Up to this many decode slots dots beat multiply-and-reduce (measured: R=1 at 1024
+# context 16.6 vs 21.9 ms over 30 layers; R=4: 47 vs 39 ms).
 MAX_DOT_FORM_SLOTS = 2
+# Prefill blocks: score elements [K, R, Q, G, block] per block at most.
+PREFILL_BLOCK_SCORES = 1 << 21
 
 
-def block_pages_for(num_slots: int, page_size: int, pages: int) -> int:
-  return max(1, min(pages, BLOCK_TOKENS // (num_slots * page_size)))
+def block_pages_for(num_slots: int, page_size: int, pages: int, rows_per_slot: int = 1) -> int:
+  """Pages per slot per block: about BLOCK_TOKENS tokens over all slots (or
+  PREFILL_BLOCK_SCORES scores when each slot has rows_per_slot query rows)."""
+  per_slot = min(BLOCK_TOKENS // num_slots, SLOT_BLOCK_TOKENS)
+  if rows_per_slot > 1:
+    per_slot = min(per_slot, PREFILL_BLOCK_SCORES // (num_slots * rows_per_slot))
+  return max(1, min(pages, per_slot // page_size))
+
+
+def _blocks(page_table, cached_len, block_pages, page_size):
+  """(padded page table, pages per block, tokens per block, dynamic number of blocks)."""
+  B = max(1, min(block_pages, page_table.shape[1]))
+  P = -(-page_table.shape[1] // B) * B
+  pt = jnp.pad(page_table, ((0, 0), (0, P - page_table.shape[1])))
+  block = B * page_size
+  return pt, B, block, (jnp.max(cached_len) + block - 1) // block
 
 
 def _gather_block(pool, fmt, layer, page_ids, dtype):
@@ -91,11 +109,8 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
 
   if block_pages is None:
     block_pages = block_pages_for(R, ps, page_table.shape[1])
-  B = max(1, min(block_pages, page_table.shape[1]))
-  P = -(-page_table.shape[1] // B) * B
-  pt = jnp.pad(page_table, ((0, 0), (0, P - page_table.shape[1])))
-  block = B * ps
-  num_blocks = (jnp.max(cached_len) + block - 1) // block  # dynamic: the real longest
+  pt, B, block, num_blocks = _blocks(page_table, cached_len, block_pages, ps)
+  dots = R <= MAX_DOT_FORM_SLOTS
 
   def body(b, carry):
     m, l, o = carry
@@ -103,20 +118,81 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
     kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
     pos = b * block + jnp.arange(block, dtype=jnp.int32)
     valid = (pos[None, :] < cached_len[:, None])[None, :, :, None]  # [1, R, block, 1]
-    # Multiply-and-reduce, not a dot: XLA:CPU fuses the page gather into the reduction
-    # (no gathered copy is written), and a G-row dot per (head, request) is slow there.
-    s = jnp.sum(kc[:, :, :, None, :] * qr[:, :, None, :, :], axis=-1)  # [K, R, block, G]
+    # Multiply-and-reduce, not a dot, past two slots: XLA:CPU fuses the page gather into
+    # the reduction (no gathered copy is written), and a G-row dot per (head, request) is
+    # slow there.
+    if dots:
+      s = jnp.einsum("krgh,krsh->krsg", qr, kc)
+    else:
+      s = jnp.sum(kc[:, :, :, None, :] * qr[:, :, None, :, :], axis=-1)  # [K, R, block, G]
     s = jnp.where(valid, s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=2))
     p = jnp.where(valid, jnp.exp(s - m_new[:, :, None, :]), 0.0)
     alpha = jnp.exp(m - m_new)
     vc = jnp.where(valid, vc, 0.0)  # stale pages may hold NaN
-    pv = jnp.sum(p[..., None] * vc[:, :, :, None, :], axis=2)  # [K, R, G, H]
+    if dots:
+      pv = jnp.einsum("krsg,krsh->krgh", p, vc)
+    else:
+      pv = jnp.sum(p[..., None] * vc[:, :, :, None, :], axis=2)  # [K, R, G, H]
     return m_new, l * alpha + jnp.sum(p, axis=2), o * alpha[..., None] + pv
 
   m, l, o = jax.lax.fori_loop(0, num_blocks, body, (m, l, o))
   o = o / l[..., None]
   return o.transpose(1, 0, 2, 3).reshape(R, N, H)
+
+
+def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
+                      cached_len, Q, scale, block_pages=None):
+  """Slots of up to Q new tokens each (as reference.attend_group): the new tokens
+  causally, then the cached pages in blocks up to the longest real context.
+  Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
+  T, N, H = q.shape
+  K = k_new.shape[1]
+  G = N // K
+  R = page_table.shape[0]
+  fmt = kv_codec.get_format(kv_codec.pool_format(pool))
+  ps = pool["k"].shape[3]
+  cdt = jnp.float32
+  qpos = jnp.arange(Q, dtype=jnp.int32)
+  qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
+  qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
+  qr = (q[qidx].astype(cdt) * scale).reshape(R, Q, K, G, H).transpose(2, 0, 1, 3, 4)
+  kn = k_new[qidx].astype(cdt).transpose(2, 0, 1, 3)  # [K, R, Q, H]
+  vn = jnp.where(qvalid[None, :, :, None], v_new[qidx].astype(cdt).transpose(2, 0, 1, 3), 0.0)
+
+  # The slot's own new tokens, causally: they start the online softmax.
+  s_n = jnp.einsum("krqgh,krjh->krqgj", qr, kn)  # [K, R, Q, G, Q]
+  m_n = ((qpos[:, None] >= qpos[None, :])[None] & qvalid[:, None, :])[None, :, :, None, :]
+  s_n = jnp.where(m_n, s_n, _NEG)
+  m = jnp.max(s_n, axis=-1)  # [K, R, Q, G]
+  p_n = jnp.where(m_n, jnp.exp(s_n - m[..., None]), 0.0)
+  l = jnp.sum(p_n, axis=-1)
+  o = jnp.einsum("krqgj,krjh->krqgh", p_n, vn)
+
+  if block_pages is None:
+    block_pages = block_pages_for(R, ps, page_table.shape[1], rows_per_slot=Q * G)
+  pt, B, block, num_blocks = _blocks(page_table, cached_len, block_pages, ps)
+
+  def body(b, carry):
+    m, l, o = carry
+    pages = jax.lax.dynamic_slice_in_dim(pt, b * B, B, axis=1)  # [R, B]
+    kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
+    pos = b * block + jnp.arange(block, dtype=jnp.int32)
+    valid = (pos[None, :] < cached_len[:, None])[None, :, None, None, :]  # [1,R,1,1,block]
+    s = jnp.einsum("krqgh,krsh->krqgs", qr, kc)
+    s = jnp.where(valid, s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    vc = jnp.where(valid[:, :, 0, 0, :, None], vc, 0.0)  # stale pages may hold NaN
+    pv = jnp.einsum("krqgs,krsh->krqgh", p, vc)
+    return m_new, l * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
+
+  m, l, o = jax.lax.fori_loop(0, num_blocks, body, (m, l, o))
+  o = o / jnp.maximum(l, 1e-30)[..., None]
+  o = o.transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
+  flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
+  return o, flat
 
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
@@ -131,12 +207,7 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
   out = jnp.zeros((T, N, H), jnp.float32)
   Rd = R - Rp
-  if Rd and Rd <= MAX_DOT_FORM_SLOTS and block_pages is None:
-    o, flat = reference.attend_group(q, k_new, v_new, pool, layer, page_table[:Rd],
-                                     query_start[:Rd], query_len[:Rd], cached_len[:Rd], 1,
-                                     scale)
-    out = out.at[flat].set(o, mode="drop")
-  elif Rd:
+  if Rd:
     qi = jnp.clip(query_start[:Rd], 0, T - 1)
     o = decode_attention(q[qi], k_new[qi], v_new[qi], pool, layer, page_table[:Rd],
                          cached_len[:Rd], scale=scale, block_pages=block_pages)
@@ -144,16 +215,8 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
     out = out.at[flat].set(o, mode="drop")
   if Rp:
     sl = slice(Rd, R)
-    qs, ql, cl = query_start[sl], query_len[sl], cached_len[sl]
-
-    def with_cache():
-      return reference.attend_group(q, k_new, v_new, pool, layer, page_table[sl], qs, ql,
-                                    cl, max_query_len, scale)
-
-    def fresh():  # no slot has cached tokens (a new prompt): skip the bucket's page width
-      return reference.attend_group(q, k_new, v_new, pool, layer, page_table[sl, :1], qs,
-                                    ql, cl, max_query_len, scale)
-
-    o, flat = jax.lax.cond(jnp.max(cl) > 0, with_cache, fresh)
+    o, flat = prefill_attention(q, k_new, v_new, pool, layer, page_table[sl], query_start[sl],
+                                query_len[sl], cached_len[sl], max_query_len, scale,
+                                block_pages=block_pages)
     out = out.at[flat].set(o, mode="drop")
   return out
