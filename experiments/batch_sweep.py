@@ -36,7 +36,7 @@ def real_sweep(batches, L, G, peers, model="smollm2-135m-instruct"):
   prog = Progress(len(batches), "batch_sweep")
   for B in batches:
     pages = -(-(L + G) // 16)
-    llm = LLM(m, num_pages=B * pages + 8,
+    llm = LLM(m, warmup=False, num_pages=B * pages + 8,
               buckets=BucketTable.default(max_tokens=max(256, L), max_requests=B,
                                           max_pages=pages))
     rng = np.random.default_rng(0)

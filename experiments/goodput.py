@@ -61,7 +61,7 @@ def make_llm(loaded, mode: str, c):
                             deadline_admission=mode == "deadline")
     # sequential: one request slot, so its decode steps are not padded to n slots
     buckets = few_buckets(b, b, 1 if mode == "sequential" else n, max_len)
-  llm = LLM.from_loaded(loaded, buckets=buckets, num_pages=n * c.prompt_pages + 8,
+  llm = LLM.from_loaded(loaded, warmup=False, buckets=buckets, num_pages=n * c.prompt_pages + 8,
                         scheduler=sched)
   llm.engine.warmup()
   return llm

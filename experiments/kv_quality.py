@@ -95,7 +95,7 @@ def run_retrieval(loaded, variant: str, tasks: List[Task], c, progress=None) -> 
   for conc in c.concurrency:
     buckets = BucketTable.default(max_tokens=256, max_requests=max(conc, 1),
                                   max_pages=max(4, pages))
-    llm = LLM.from_loaded(loaded, kv_format=fmt, q_precision=qp, buckets=buckets,
+    llm = LLM.from_loaded(loaded, warmup=False, kv_format=fmt, q_precision=qp, buckets=buckets,
                           num_pages=conc * pages + 8,
                           scheduler=SchedulerConfig("chunked", conc, 256, 256,
                                                     cache_key=(loaded.cfg.name, "", fmt)))

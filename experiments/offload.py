@@ -64,7 +64,7 @@ def measure_real(every_k, buffers, new_tokens=24):
   m = measure_real.model = getattr(measure_real, "model", None) or load_model(
       "smollm2-135m-instruct")
   off = OffloadConfig.every_kth(m.cfg.num_layers, every_k, buffers) if every_k else None
-  llm = LLM(m, num_pages=64, offload=off,
+  llm = LLM(m, warmup=False, num_pages=64, offload=off,
             buckets=BucketTable.default(max_tokens=64, max_requests=1, max_pages=8))
   sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
   llm.generate(["Tell me about the sea."], sp)  # compile

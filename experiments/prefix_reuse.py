@@ -85,7 +85,7 @@ def sim_engine(pool_gib: float, host_pages: int):
 
 def jax_engine(model, pool_tokens: int, host_pages: int):
   from jaxinfer.llm import LLM
-  llm = LLM(model, num_pages=pool_tokens // 16,
+  llm = LLM(model, warmup=False, num_pages=pool_tokens // 16,
             buckets=BucketTable.default(max_tokens=256, max_requests=4, max_pages=128),
             prefix_cache=True)
   eng = llm.engine

@@ -60,7 +60,7 @@ def jax_engine(policy: str, llm_model, chunk: int, budget: int, max_running: int
   step = budget if policy == "chunked" else max_len * max_running
   chunk = chunk if policy == "chunked" else step
   buckets = few_buckets(step, chunk, max_running, max_len)
-  llm = LLM(llm_model, num_pages=max_running * buckets.max_pages + 8, buckets=buckets,
+  llm = LLM(llm_model, warmup=False, num_pages=max_running * buckets.max_pages + 8, buckets=buckets,
             scheduler=policy_config(policy, chunk, budget, max_running, ("smollm2", "", "f32")))
   llm.engine.warmup()
   return llm.engine

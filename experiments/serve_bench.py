@@ -193,7 +193,7 @@ def offline_run(loaded, prompts, policy: str) -> Dict:
   `policy`, after a warm-up: wall time, steps and the median decode-only step."""
   from jaxinfer.config import SamplingParams
   from jaxinfer.llm import LLM
-  llm = LLM(loaded, policy=policy, max_num_seqs=FLAGS.max_num_seqs,
+  llm = LLM(loaded, warmup=False, policy=policy, max_num_seqs=FLAGS.max_num_seqs,
             max_num_batched_tokens=token_bucket(policy), max_model_len=1024)
   sp = SamplingParams(max_tokens=FLAGS.max_tokens, ignore_eos=True)
   llm.chat(prompts, sp)  # warm-up, as for the server: the same workload once

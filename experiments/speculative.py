@@ -42,7 +42,7 @@ TASKS = {
 
 def run_real(llm_model, drafter, tasks, conc, max_tokens, num_draft, adaptive):
   from jaxinfer.llm import LLM
-  llm = LLM(llm_model, num_pages=512, speculative=drafter, num_draft=num_draft,
+  llm = LLM(llm_model, warmup=False, num_pages=512, speculative=drafter, num_draft=num_draft,
             adaptive_draft=adaptive,
             buckets=BucketTable.default(max_tokens=128, max_requests=8, max_pages=32))
   prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in tasks]

@@ -4,14 +4,21 @@ Every jitted step runs at a shape taken from this table: tokens per step (T), re
 slots per step (R), pages per request (P), prefill slots (Rp: the last Rp request slots
 may carry up to Q new tokens; the others carry one, a decode) and Q. Logits rows are one
 per request slot (S = R). Splitting the slots keeps a mixed step (many decodes + one
-prefill chunk) from paying R x Q attention work. Padding looks the next size up with `bisect`; asking past the largest size raises
-`BucketError` — nothing is ever truncated.
+prefill chunk) from paying R x Q attention work. Padding looks the next size up with
+`bisect`; asking past the largest size raises `BucketError` — nothing is ever truncated.
+
+The default table is small (about 55 shapes for 256 tokens x 64 requests): ladders of
+powers of four and one tier of pages per request, since the attention backends read only
+the pages a request holds whatever the table's width. `jaxinfer.bucket_plan` builds
+other ladders (powers of two, linear, exact) and fits one to a trace; `to_json` /
+`from_json` carry a table between the planner, the engine, `LLM` and the CLI.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterator, Tuple
+import json
+from typing import Iterator, Tuple, Union
 
 
 class BucketError(ValueError):
@@ -19,12 +26,23 @@ class BucketError(ValueError):
 
 
 def _pow2_upto(lo: int, hi: int) -> Tuple[int, ...]:
+  return geometric(lo, hi, 2)
+
+
+def geometric(lo: int, hi: int, ratio: int) -> Tuple[int, ...]:
+  """lo, lo*ratio, lo*ratio^2, ... below hi, then hi (the largest size is always hi)."""
+  if not (isinstance(ratio, int) and ratio >= 2):
+    raise ValueError(f"ratio must be an integer >= 2, got {ratio!r}")
+  lo = max(1, min(lo, hi))
   out, x = [], lo
   while x < hi:
     out.append(x)
-    x *= 2
+    x *= ratio
   out.append(hi)
   return tuple(sorted(set(out)))
+
+
+_FIELDS = ("token_sizes", "request_sizes", "page_sizes", "query_sizes", "prefill_slot_sizes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +70,53 @@ class BucketTable:
   def __post_init__(self):
     if not self.prefill_slot_sizes:
       object.__setattr__(self, "prefill_slot_sizes", _pow2_upto(1, max(self.request_sizes)))
-    for name in ("token_sizes", "request_sizes", "page_sizes", "query_sizes",
-                 "prefill_slot_sizes"):
-      v = tuple(sorted(set(getattr(self, name))))
+    for name in _FIELDS:
+      raw = getattr(self, name)
+      if isinstance(raw, (str, bytes)) or not all(
+          isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        raise ValueError(f"{name} must be a list of integers, got {raw!r}")
+      v = tuple(sorted(set(raw)))
       if any(x <= 0 for x in v):
         raise ValueError(f"{name} must be positive, got {v}")
+      if not v and name != "query_sizes":
+        raise ValueError(f"{name} must not be empty")
       object.__setattr__(self, name, v)
     if not self.query_sizes:
       object.__setattr__(self, "query_sizes", tuple(sorted({1, *self.token_sizes})))
+    if self.prefill_slot_sizes[-1] > self.request_sizes[-1]:
+      raise ValueError(f"prefill_slot_sizes {self.prefill_slot_sizes} exceed the largest "
+                       f"request size {self.request_sizes[-1]}")
 
   @classmethod
-  def default(cls, max_tokens: int = 512, max_requests: int = 64, max_pages: int = 128,
-              min_tokens: int = 1) -> "BucketTable":
-    return cls(token_sizes=_pow2_upto(min_tokens, max_tokens),
-               request_sizes=_pow2_upto(1, max_requests),
-               page_sizes=_pow2_upto(4, max_pages))
+  def default(cls, max_tokens: int = 256, max_requests: int = 64, max_pages: int = 128,
+              min_tokens: int = 16, ratio: int = 4) -> "BucketTable":
+    """The small default: token sizes min_tokens, x ratio, ... up to max_tokens; request
+    and prefill-slot sizes 1, ratio, ... up to max_requests; query sizes 1 + the token
+    sizes; one page tier (max_pages). 256 x 64 x any pages: 55 shapes."""
+    req = geometric(1, max_requests, ratio)
+    return cls(token_sizes=geometric(min_tokens, max_tokens, ratio), request_sizes=req,
+               page_sizes=(max_pages,), prefill_slot_sizes=req)
+
+  def to_json(self) -> dict:
+    return {name: list(getattr(self, name)) for name in _FIELDS}
+
+  @classmethod
+  def from_json(cls, src: Union[str, dict]) -> "BucketTable":
+    """A table from a dict of the five size lists or a JSON file holding one (as written
+    by tools/bucket_plan.py); unknown keys are an error, nothing is guessed."""
+    if isinstance(src, str):
+      with open(src) as f:
+        src = json.load(f)
+      src = src.get("table", src)  # a planner report holds the table under "table"
+    if not isinstance(src, dict):
+      raise ValueError(f"a bucket table must be a JSON object, got {type(src).__name__}")
+    unknown = sorted(set(src) - set(_FIELDS))
+    if unknown:
+      raise ValueError(f"unknown bucket table fields {unknown}; expected {list(_FIELDS)}")
+    missing = [k for k in _FIELDS[:3] if k not in src]
+    if missing:
+      raise ValueError(f"bucket table misses {missing}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in src.items()})
 
   @staticmethod
   def _pick(sizes, n, what):

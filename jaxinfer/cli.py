@@ -48,16 +48,21 @@ flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "fixed"],
                   "scheduling policy (8.2)")
 flags.DEFINE_integer("max_num_batched_tokens", 256, "largest token bucket: new tokens per "
                      "step (8.2.4's token budget)")
-flags.DEFINE_integer("max_num_seqs", 64, "largest request bucket: requests per step")
+flags.DEFINE_integer("max_num_seqs", 64, "largest request bucket: requests per step "
+                     "(generate: at most the number of prompts unless given)")
 flags.DEFINE_integer("max_model_len", 0, "context window (0 = the model's)")
 flags.DEFINE_bool("prefix_cache", False, "radix prefix cache (8.3.3)")
 flags.DEFINE_bool("deadline_admission", False, "serve: reject at once what cannot finish by "
                   "its deadline (8.6.1; HTTP 503)")
 flags.DEFINE_float("deadline_s", 0.0, "serve: each request's deadline in seconds from arrival "
                    "(0 = none; a request may set its own with the field deadline_s)")
-flags.DEFINE_bool("warmup", False, "serve: compile every bucket shape before accepting "
-                  "requests (the default table has hundreds: minutes on a CPU; without it "
-                  "each shape compiles the first time a step needs it)")
+flags.DEFINE_bool("warmup", True, "compile every bucket shape before the first request "
+                  "(a progress bar; the default table has about 55, reloaded from the "
+                  "persistent compilation cache after the first run; --nowarmup compiles "
+                  "each shape the first time a step needs it)")
+flags.DEFINE_string("buckets", None, "a bucket table as JSON (tools/bucket_plan.py writes "
+                    "them); default: a small table from --max_num_batched_tokens and "
+                    "--max_num_seqs")
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
 flags.DEFINE_integer("port", 8000, "serve: TCP port")
 flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")
@@ -95,9 +100,15 @@ def _check_engine_flags():
       _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.max_model_len < 0 or FLAGS.max_model_len == 1:
     _usage_error(f"--max_model_len must be 0 (the model's) or >= 2, got {FLAGS.max_model_len}")
+  if FLAGS.buckets:
+    from jaxinfer.buckets import BucketTable
+    try:
+      BucketTable.from_json(FLAGS.buckets)
+    except (OSError, ValueError, TypeError) as e:
+      _usage_error(f"--buckets={FLAGS.buckets}: {e}")
 
 
-def _make_llm():
+def _make_llm(max_num_seqs=None):
   from jaxinfer.llm import LLM
   return LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format,
              page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, attention=FLAGS.attention,
@@ -107,7 +118,9 @@ def _make_llm():
              draft_model=FLAGS.draft_model or None, q_precision=FLAGS.q_precision,
              max_model_len=FLAGS.max_model_len or None, prefix_cache=FLAGS.prefix_cache,
              policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-             max_num_seqs=FLAGS.max_num_seqs, deadline_admission=FLAGS.deadline_admission)
+             max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
+             deadline_admission=FLAGS.deadline_admission,
+             buckets=FLAGS.buckets, warmup=FLAGS.warmup)
 
 
 def _serve():
@@ -120,9 +133,8 @@ def _serve():
   t0 = time.perf_counter()
   llm = _make_llm()
   if FLAGS.warmup:
-    t = llm.engine.warmup()
     print(f"[jaxinfer] compiled {len(list(llm.buckets.all_buckets()))} bucket shapes in "
-          f"{t:.1f}s", file=sys.stderr)
+          f"{llm.warmup_s:.1f}s", file=sys.stderr)
   print(f"[jaxinfer] {llm.cfg.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   serve(llm, model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
         port=FLAGS.port, api_key=FLAGS.api_key, max_queue=FLAGS.max_queue,
@@ -144,8 +156,14 @@ def _generate():
   sps = _sampling_params(len(prompts))
   if FLAGS.stream and len(prompts) > 1:
     _usage_error("--stream prints one answer as it is produced: give one --prompt")
-  llm = _make_llm()
+  # A batch never runs more requests than it has prompts: the table (and its warm-up)
+  # need no larger request buckets unless --max_num_seqs says otherwise.
+  llm = _make_llm(None if FLAGS["max_num_seqs"].present else min(len(prompts),
+                                                                 FLAGS.max_num_seqs))
   t_load = time.perf_counter() - t0
+  load = (f"load {t_load - llm.warmup_s:.1f}s + warm-up {llm.warmup_s:.1f}s"
+          if FLAGS.warmup else f"load {t_load:.1f}s")
+  comp = "" if FLAGS.warmup else " (includes compilation)"
   t1 = time.perf_counter()
   msgs = (lambda p: ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
           [{"role": "user", "content": p}])
@@ -154,8 +172,8 @@ def _generate():
                   else llm.stream(prompts[0], sps[0])):
       print(piece, end="", flush=True)
     print()
-    print(f"[jaxinfer] {llm.cfg.name}: load {t_load:.1f}s, streamed in "
-          f"{time.perf_counter() - t1:.2f}s (includes compilation)", file=sys.stderr)
+    print(f"[jaxinfer] {llm.cfg.name}: {load}, streamed in "
+          f"{time.perf_counter() - t1:.2f}s{comp}", file=sys.stderr)
     return
   if FLAGS.chat:
     outs = llm.chat([msgs(p) for p in prompts], sps)
@@ -163,8 +181,8 @@ def _generate():
     outs = llm.generate(prompts, sps)
   t_gen = time.perf_counter() - t1
   n_out = sum(len(o.token_ids) for o in outs)
-  print(f"[jaxinfer] {llm.cfg.name}: load {t_load:.1f}s, generated {n_out} tokens for "
-        f"{len(outs)} prompt(s) in {t_gen:.2f}s (includes compilation)", file=sys.stderr)
+  print(f"[jaxinfer] {llm.cfg.name}: {load}, generated {n_out} tokens for "
+        f"{len(outs)} prompt(s) in {t_gen:.2f}s{comp}", file=sys.stderr)
   for i, o in enumerate(outs):
     if FLAGS.json:
       print(strict_json.dumps(o.to_json()))

@@ -74,7 +74,7 @@ class LLM:
                early_exit_layers: Optional[int] = None, draft_model=None, offload=None,
                q_precision: str = "native", policy: str = "chunked",
                max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-               deadline_admission: bool = False):
+               deadline_admission: bool = False, warmup: bool = True):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -85,7 +85,12 @@ class LLM:
     given (vLLM's names);
     offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
     it saves net of the prefetch buffers is given to the KV pool, so admission (which
-    reserves pages) admits more requests."""
+    reserves pages) admits more requests;
+    buckets: a BucketTable or the path of one as JSON (tools/bucket_plan.py writes them);
+    default: BucketTable.default (about 55 shapes);
+    warmup: compile every shape of the table now, with a progress bar (8.2.4: no request
+    then waits for a compile; the persistent compilation cache makes a second process
+    mostly reload them). `warmup_s` holds the seconds spent."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     for name, v in (("page_size", page_size), ("num_pages", num_pages),
@@ -98,6 +103,10 @@ class LLM:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
       raise ValueError(f"max_model_len must be an integer >= 2 or None, got {max_model_len!r}")
+    if isinstance(buckets, str):
+      buckets = BucketTable.from_json(buckets)
+    if buckets is not None and not isinstance(buckets, BucketTable):
+      raise ValueError(f"buckets must be a BucketTable or a JSON path, got {buckets!r}")
     # `model`: a name or path, or an already loaded model (LoadedModel).
     self.model = model if isinstance(model, LoadedModel) else load_model(
         model, dtype, scan_layers=scan_layers)
@@ -136,6 +145,7 @@ class LLM:
                          eos_token_ids=eos, max_model_len=self.max_model_len,
                          prefix_cache=prefix_cache, drafter=drafter,
                          draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
+    self.warmup_s = self.engine.warmup(progress=True) if warmup else 0.0
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":

@@ -166,13 +166,13 @@ def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
                     (dict(num_pages=-3), "num_pages must be"),
                     (dict(max_model_len=1), "max_model_len must be")]:
     with pytest.raises(ValueError, match=words):
-      LLM("no-such-model-is-loaded", **kw)  # fails before any load is tried
+      LLM("no-such-model-is-loaded", warmup=False, **kw)  # fails before any load is tried
 
 
 def test_lone_surrogate_prompt_is_a_clear_error(smollm2):
   from jaxinfer.llm import LLM
   table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_sizes=(4,))
-  llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table)
+  llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table)
   with pytest.raises(ValueError, match="not valid Unicode"):
     llm.generate(["caf\udce9"], SamplingParams(max_tokens=2))
   assert not llm.engine.has_unfinished()

@@ -12,7 +12,7 @@ PROMPTS = ["The capital of France is", "List three primary colors:",
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-  return LLM.from_loaded(smollm2, num_pages=64,
+  return LLM.from_loaded(smollm2, warmup=False, num_pages=64,
                          buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
                                              page_sizes=(8,)))
 
@@ -25,6 +25,26 @@ def test_batched_chunked_generate_equals_recompute(llm, smollm2):
     assert o.prompt_token_ids == ids
     assert o.token_ids == recompute_greedy(smollm2.cfg, smollm2.params, ids, 8), p
     assert o.finish_reason == "length"
+
+
+def test_warm_up_compiles_every_shape_the_engine_then_runs(llm, smollm2):
+  """LLM(warmup=True) compiles the default table's every shape at construction: a batch of
+  prompts (prefill chunks, mixed and decode steps) then compiles nothing, and a different
+  table pads differently but decodes the same greedy tokens."""
+  from jaxinfer.step import model_step
+  table = BucketTable.default(max_tokens=32, max_requests=4, max_pages=8)
+  warm = LLM.from_loaded(smollm2, num_pages=64, buckets=table)
+  shapes = len(list(table.all_buckets()))
+  assert warm.warmup_s > 0 and model_step._cache_size() >= shapes
+  before = model_step._cache_size()
+  sp = SamplingParams(max_tokens=8, ignore_eos=True)
+  outs = warm.generate(PROMPTS + ["Hi"], sp)
+  assert model_step._cache_size() == before, "a step compiled after warm-up"
+  assert {s.bucket for s in warm.engine.steps} <= {
+      (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len, b.prefill_slots)
+      for b in table.all_buckets()}
+  ref = llm.generate(PROMPTS + ["Hi"], sp)
+  assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
 def test_rejected_request_leaves_llm_healthy(llm):
@@ -49,7 +69,7 @@ def test_seeded_sampling_is_reproducible(llm):
 
 
 def test_kv_pool_too_small_is_an_error(smollm2):
-  small = LLM.from_loaded(smollm2, num_pages=2, page_size=4,
+  small = LLM.from_loaded(smollm2, warmup=False, num_pages=2, page_size=4,
                           buckets=BucketTable(token_sizes=(8,), request_sizes=(1,),
                                               page_sizes=(64,)))
   with pytest.raises(RequestTooLargeError, match="pool has only 2 pages of 4 tokens"):
@@ -63,7 +83,7 @@ def test_backends_greedy_equal_reference(smollm2):
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   outs = {}
   for backend in ("reference", "pallas", "xla"):
-    llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, attention=backend)
+    llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, attention=backend)
     outs[backend] = llm.generate(["The capital of France is"], sp)[0].token_ids
   assert outs["pallas"] == outs["reference"] == outs["xla"]
 
@@ -75,9 +95,9 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
   table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_sizes=(8,))
   sp = SamplingParams(max_tokens=5, ignore_eos=True)
-  plain = LLM.from_loaded(smollm2, num_pages=64, buckets=table).generate(PROMPTS[:2], sp)
+  plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table).generate(PROMPTS[:2], sp)
   off = OffloadConfig.every_kth(smollm2.cfg.num_layers, 3, buffers)
-  llm = LLM.from_loaded(smollm2, num_pages=64, buckets=table, offload=off)
+  llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table, offload=off)
   outs = llm.generate(PROMPTS[:2], sp)
   assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
   st = llm.executor.streamer
@@ -99,9 +119,9 @@ def test_q_precision_reaches_attention(smollm2):
   lps = {}
   for fmt in ("f32", "q4_0"):
     for qp in ("native", "kv"):
-      llm = LLM.from_loaded(smollm2, num_pages=8, buckets=table, kv_format=fmt, q_precision=qp)
+      llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, kv_format=fmt, q_precision=qp)
       lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
   assert lps["f32", "native"] == lps["f32", "kv"]
   assert lps["q4_0", "native"] != lps["q4_0", "kv"]
   with pytest.raises(ValueError, match="unknown Q precision 'fp4'"):
-    LLM.from_loaded(smollm2, num_pages=8, buckets=table, q_precision="fp4")
+    LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, q_precision="fp4")

@@ -41,7 +41,7 @@ def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2):
   with torch.no_grad():
     ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               min_new_tokens=32)[0, len(ids):].tolist()
-  llm = LLM.from_loaded(smollm2, num_pages=64)
+  llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64)
   from jaxinfer.config import SamplingParams
   out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
   assert out.token_ids == ref
@@ -84,7 +84,7 @@ def test_qwen3_safetensors_matches_hf(qwen3_dir):
   with torch.no_grad():
     ref_ids = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                           min_new_tokens=32, eos_token_id=None)[0, len(ids):].tolist()
-  llm = LLM.from_loaded(m, num_pages=32)
+  llm = LLM.from_loaded(m, warmup=False, num_pages=32)
   out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
   assert out.token_ids == ref_ids
 

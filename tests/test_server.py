@@ -69,7 +69,7 @@ def server():
 @pytest.fixture(scope="module")
 def offline(smollm2):
   from jaxinfer.llm import LLM
-  return LLM(smollm2, **ENGINE)
+  return LLM(smollm2, warmup=False, **ENGINE)
 
 
 @pytest.fixture(scope="module")

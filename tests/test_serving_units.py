@@ -46,7 +46,7 @@ def test_detokenizer_holds_back_a_possible_stop_string(smollm2):
 
 def test_llm_stream_equals_generate_and_stops_cleanly(smollm2):
   from jaxinfer.llm import LLM
-  llm = LLM(smollm2, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+  llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
             num_pages=64)
   msgs = [{"role": "system", "content": "Be brief."},
           {"role": "user", "content": "Name three fruits."}]

@@ -33,7 +33,7 @@ def test_distill_save_load_and_draft(smollm2, tmp_path):
   assert draft.cfg.num_layers == 1 and draft.tokenizer is not None
   sp = SamplingParams(max_tokens=8, ignore_eos=True)
   prompt = "The sun rises in the east and sets in the"
-  plain = LLM.from_loaded(smollm2, num_pages=64).generate([prompt], sp)[0].token_ids
-  spec = LLM.from_loaded(smollm2, num_pages=64, speculative="draft_model", draft_model=draft,
+  plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64).generate([prompt], sp)[0].token_ids
+  spec = LLM.from_loaded(smollm2, warmup=False, num_pages=64, speculative="draft_model", draft_model=draft,
                          num_draft=3).generate([prompt], sp)[0]
   assert spec.token_ids == plain and spec.rounds > 0

@@ -282,16 +282,22 @@ class Engine:
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
 
-  def warmup(self) -> float:
+  def warmup(self, progress: bool = False) -> float:
     """Compile every shape this configuration can run ahead of time (real executors): the
     table's buckets, with a drafter also the verify shapes and the drafter's own steps
     (early-exit draft steps, a draft model's executables). Seconds spent; with the
-    persistent compilation cache a second process mostly reloads them."""
+    persistent compilation cache a second process mostly reloads them. progress: a
+    progress bar on stderr."""
     if self.executor.virtual_clock:
       return 0.0
     speculative = self.drafter is not None
     buckets = list(self.buckets.all_buckets(verify=speculative))
-    t = self.executor.warmup(buckets)
+    shapes = buckets
+    if progress:
+      from tqdm.auto import tqdm
+      shapes = tqdm(buckets, desc="compiling bucket shapes", unit="shape", leave=False)
+    t = self.executor.warmup(shapes)
+    log.info("warm-up: %d bucket shapes in %.1f s", len(buckets), t)
     if speculative:  # verify shapes above; the drafter's own steps here
       t += self.drafter.warmup(buckets)
     return t
