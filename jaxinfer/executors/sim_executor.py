@@ -63,10 +63,21 @@ class SimExecutor:
   vocab_size = None  # no model: any token id is accepted
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
-               token_id: int = 0, acceptance: float = 0.0, seed: int = 0):
+               token_id: int = 0, acceptance: float = 0.0, seed: int = 0,
+               pad_to_buckets: bool = False, compile_s: float = 0.0):
     """acceptance: probability that each drafted position is accepted (8.5.2 model of
-    independent positions); drafts are verified against it."""
+    independent positions); drafts are verified against it.
+    pad_to_buckets: charge each step at its bucket's token count, the padding tokens as
+    one-token requests with no context (8.2.4: 17-32 rows run the 32-row graph);
+    compile_s: seconds charged the first time a bucket shape runs (a compile, as the real
+    engine pays without warm-up); `compiles` counts them."""
+    if compile_s < 0 or not np.isfinite(compile_s):
+      raise ValueError(f"compile_s must be a finite number >= 0, got {compile_s!r}")
     self.model = model
+    self.pad_to_buckets = pad_to_buckets
+    self.compile_s = compile_s
+    self.compiled = set()
+    self.compiles = 0
     self.acceptance = acceptance
     self._rng = np.random.default_rng(seed)
     self.num_pages = num_pages
@@ -86,12 +97,21 @@ class SimExecutor:
     self.pages_fetched += len(moves)
 
   def execute(self, step, plan: StepPlan) -> StepResult:
-    """`step` is unused (no arrays are built for the simulator)."""
+    """`step` carries only the bucket (no arrays are built for the simulator)."""
     seqs = [(s.num_step_tokens, s.start) for s in plan.seqs]
+    extra = 0.0
+    if step is not None:
+      b = step.bucket
+      if self.pad_to_buckets:
+        seqs += [(1, 0)] * max(b.num_tokens - sum(c for c, _ in seqs), 0)
+      if b not in self.compiled:
+        self.compiled.add(b)
+        self.compiles += 1
+        extra = self.compile_s
     rows = []
     for s in plan.seqs:
       for j in range(s.num_logits):
         acc = j < len(s.draft) and self._rng.random() < self.acceptance
         rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
     packed = np.array(rows, np.float32).reshape(-1, 3)
-    return StepResult(packed=packed, duration_s=self.model.step_time(seqs))
+    return StepResult(packed=packed, duration_s=self.model.step_time(seqs) + extra)

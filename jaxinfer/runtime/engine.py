@@ -24,7 +24,7 @@ import numpy as np
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import StepRecord, summarize
-from jaxinfer.runtime.batcher import SeqWork, pack, select_bucket
+from jaxinfer.runtime.batcher import SeqWork, StepInput, pack, select_bucket
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request
@@ -339,9 +339,9 @@ class Engine:
                      seed=s.request.seed, sample_index=len(s.request.output_token_ids),
                      num_draft=len(s.draft))
              for s in plan.seqs]
-    if ex.virtual_clock:
-      step = None
+    if ex.virtual_clock:  # no arrays: the simulator sees the bucket only
       b = select_bucket(works, self.buckets, self.pm.page_size)
+      step = StepInput(arrays={}, bucket=b, logits_rows=[], num_tokens=plan.num_tokens)
     else:
       step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
       b = step.bucket

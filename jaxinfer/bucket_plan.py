@@ -1,0 +1,243 @@
+"""Bucket tables by strategy, and fitted to a trace (8.2.4: static shapes stand in for
+captured CUDA graphs; every shape is one compiled executable).
+
+Strategies for the token, request and query axes (one page tier: the attention backends
+read only the pages a request holds, whatever the table's width):
+  pow2 / pow4  geometric ladders up to the largest size;
+  linear       n evenly spaced sizes;
+  exact        every size: no padding, one executable per distinct step shape;
+  fitted       per-axis sizes chosen by dynamic programming to minimise the expected
+               padded size over the steps a trace produces, under a cap on the number of
+               executables (`fit_table`).
+
+A trace's steps come from running it through the scheduler on the virtual clock
+(`trace_step_shapes`): which requests share a step does not depend on the table, so the
+step shapes recorded under the exact table are the demand any table must cover. Imports
+no JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from jaxinfer.buckets import BucketTable, geometric
+
+STRATEGIES = ("pow2", "pow4", "linear", "exact", "fitted")
+
+
+def ladder(strategy: str, lo: int, hi: int, n: int = 4) -> Tuple[int, ...]:
+  """Sizes from lo (at least) up to hi (always included) for a fixed strategy."""
+  if strategy == "pow2":
+    return geometric(lo, hi, 2)
+  if strategy == "pow4":
+    return geometric(lo, hi, 4)
+  if strategy == "linear":
+    if n < 1:
+      raise ValueError(f"linear ladders need n >= 1 sizes, got {n}")
+    return tuple(sorted({max(lo if i == 1 else 1, -(-hi * i // n)) for i in range(1, n + 1)}))
+  if strategy == "exact":
+    return tuple(range(max(1, min(lo, hi)), hi + 1))
+  raise ValueError(f"strategy must be one of {STRATEGIES[:4]} here, got {strategy!r}")
+
+
+def table_for(strategy: str, max_tokens: int, max_requests: int, max_pages: int,
+              n: int = 4) -> BucketTable:
+  """A table whose token, request and prefill-slot sizes follow one strategy (tokens
+  start at 16 for the geometric ladders, as the default; exact starts at 1)."""
+  lo = 1 if strategy == "exact" else min(16, max_tokens)
+  req = ladder(strategy, 1, max_requests, n)
+  return BucketTable(token_sizes=ladder(strategy, lo, max_tokens, n), request_sizes=req,
+                     page_sizes=(max_pages,), prefill_slot_sizes=req)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """What a step asks of the table: n tokens, d one-token works, p multi-token works of
+  at most q tokens each (q = 0 when p = 0)."""
+  n: int
+  d: int
+  p: int
+  q: int
+
+
+def shape_of_members(members: Sequence[Tuple[object, int, bool]]) -> StepShape:
+  """From an engine StepRecord's members: (request id, tokens, is_prefill) each."""
+  lens = [t for _, t, _ in members]
+  multi = [t for t in lens if t > 1]
+  return StepShape(sum(lens), len(lens) - len(multi), len(multi), max(multi, default=0))
+
+
+def select_for(table: BucketTable, s: StepShape):
+  if s.p:
+    return table.select(s.n, s.d, 1, s.q, s.p)
+  return table.select(s.n, s.d, 1)
+
+
+def fit_sizes(values: Sequence[int], k: int, hi: int,
+              weights: Optional[Sequence[float]] = None) -> Tuple[int, ...]:
+  """At most k sizes (the largest is hi) minimising sum(w * smallest size >= v): exact
+  dynamic programming over the distinct values, O(k m^2) for m of them."""
+  if k < 1:
+    raise ValueError(f"k must be >= 1, got {k}")
+  w = np.ones(len(values)) if weights is None else np.asarray(weights, np.float64)
+  vals: Dict[int, float] = {}
+  for v, x in zip(values, w):
+    if not 1 <= v <= hi:
+      raise ValueError(f"value {v} outside [1, {hi}]")
+    vals[int(v)] = vals.get(int(v), 0.0) + float(x)
+  if hi not in vals:
+    vals[hi] = 0.0  # the largest size is always a bucket
+  xs = sorted(vals)
+  ws = np.array([vals[x] for x in xs])
+  m = len(xs)
+  cw = np.concatenate([[0.0], np.cumsum(ws)])
+  # cost(i, j): values i..j (inclusive) all padded to xs[j]
+  INF = float("inf")
+  best = np.full((k + 1, m), INF)
+  back = np.zeros((k + 1, m), np.int64)
+  for j in range(m):
+    best[1, j] = cw[j + 1] * xs[j]
+  for kk in range(2, k + 1):
+    for j in range(m):
+      best[kk, j], back[kk, j] = best[kk - 1, j], -1
+      for i in range(j):  # the previous size is xs[i]; values i+1..j pad to xs[j]
+        c = best[kk - 1, i] + (cw[j + 1] - cw[i + 1]) * xs[j]
+        if c < best[kk, j]:
+          best[kk, j], back[kk, j] = c, i
+  sizes, kk, j = [], k, m - 1
+  while j >= 0 and kk >= 1:
+    if kk > 1 and back[kk, j] == -1:
+      kk -= 1
+      continue
+    sizes.append(xs[j])
+    j = back[kk, j] if kk > 1 else -1
+    kk -= 1
+  return tuple(sorted(sizes))
+
+
+def padding(table: BucketTable, shapes: Sequence[StepShape]) -> Dict[str, float]:
+  """Padding a trace's steps pay under a table: token rows, request slots and prefill
+  query rows (slots x Q) run beyond the real ones, as fractions of what ran."""
+  tok = tok_b = slots = slots_b = q_rows = q_rows_b = 0
+  for s in shapes:
+    b = select_for(table, s)
+    tok, tok_b = tok + s.n, tok_b + b.num_tokens
+    slots, slots_b = slots + s.d + s.p, slots_b + b.num_requests
+    if s.p:
+      q_rows += s.n - s.d
+      q_rows_b += b.prefill_slots * b.max_query_len
+  return {"steps": len(shapes),
+          "padded_token_frac": 1 - tok / tok_b if tok_b else 0.0,
+          "padded_slot_frac": 1 - slots / slots_b if slots_b else 0.0,
+          "padded_query_row_frac": 1 - q_rows / q_rows_b if q_rows_b else 0.0,
+          "mean_bucket_tokens": tok_b / max(len(shapes), 1)}
+
+
+def num_shapes(table: BucketTable) -> int:
+  return sum(1 for _ in table.all_buckets())
+
+
+def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
+              max_requests: int, max_pages: int, max_sizes: int = 6) -> Tuple[BucketTable, dict]:
+  """The table of at most max_shapes executables that minimises the trace's padded token
+  rows (then padded slots): each axis fitted by `fit_sizes` for every combination of
+  sizes per axis up to max_sizes, the combinations compared on the trace."""
+  if not shapes:
+    raise ValueError("fitting a table needs at least one step shape")
+  if max_shapes < 1:
+    raise ValueError(f"max_shapes must be >= 1, got {max_shapes}")
+  ns = [s.n for s in shapes]
+  rs = [s.d + s.p for s in shapes]
+  qs = [min(s.q, max_tokens) for s in shapes if s.p]
+  ps = [s.p for s in shapes if s.p]
+  best, tried = None, 0
+  for kt, kr, kq in itertools.product(range(1, max_sizes + 1), repeat=3):
+    tok = fit_sizes(ns, kt, max_tokens)
+    req = fit_sizes(rs, kr, max_requests)
+    pre = tuple(sorted(set(fit_sizes(ps, kr, max_requests)) | {max_requests})) if ps else req
+    qry = (1,) + (fit_sizes(qs, kq, max_tokens) if qs else (max_tokens,))
+    table = BucketTable(token_sizes=tok, request_sizes=req, page_sizes=(max_pages,),
+                        query_sizes=qry, prefill_slot_sizes=pre)
+    count = num_shapes(table)
+    tried += 1
+    if count > max_shapes:
+      continue
+    pad = padding(table, shapes)
+    key = (pad["padded_token_frac"], pad["padded_slot_frac"], count)
+    if best is None or key < best[0]:
+      best = (key, table, count, pad)
+  if best is None:
+    smallest = BucketTable(token_sizes=(max_tokens,), request_sizes=(max_requests,),
+                           page_sizes=(max_pages,), query_sizes=(1, max_tokens),
+                           prefill_slot_sizes=(max_requests,))
+    raise ValueError(f"no table of at most {max_shapes} shapes was found for these steps "
+                     f"(one size per axis needs {num_shapes(smallest)}); raise max_shapes")
+  _, table, count, pad = best
+  return table, {"num_shapes": count, "combinations_tried": tried, **pad}
+
+
+# --- traces ------------------------------------------------------------------------------
+
+def synthetic_chat_trace(num_requests: int = 200, seed: int = 0, rate: float = 4.0,
+                         max_len: int = 2048) -> List[dict]:
+  """Chat-like lengths: log-normal prompts (median ~180 tokens) and outputs (median ~120),
+  Poisson arrivals at `rate` per second; a stand-in for a production trace."""
+  rng = np.random.default_rng(seed)
+  prompt = np.clip(rng.lognormal(np.log(180), 0.9, num_requests), 4, max_len // 2)
+  out = np.clip(rng.lognormal(np.log(120), 0.8, num_requests), 1, max_len // 2)
+  t = np.cumsum(rng.exponential(1.0 / rate, num_requests))
+  return [{"arrival_s": round(float(a), 4), "prompt_tokens": int(p), "output_tokens": int(o)}
+          for a, p, o in zip(t, prompt, out)]
+
+
+def load_trace(path: str) -> List[dict]:
+  """JSON lines of {"arrival_s", "prompt_tokens", "output_tokens"}; each field checked."""
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      r = json.loads(line)
+      for k in ("prompt_tokens", "output_tokens"):
+        v = r.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+          raise ValueError(f"{path}:{i}: {k} must be an integer >= 1, got {v!r}")
+      a = r.get("arrival_s", 0.0)
+      if isinstance(a, bool) or not isinstance(a, (int, float)) or not a >= 0:
+        raise ValueError(f"{path}:{i}: arrival_s must be a number >= 0, got {a!r}")
+      out.append({"arrival_s": float(a), "prompt_tokens": r["prompt_tokens"],
+                  "output_tokens": r["output_tokens"]})
+  if not out:
+    raise ValueError(f"{path}: no requests")
+  return out
+
+
+def trace_step_shapes(trace: Sequence[dict], max_tokens: int, max_requests: int,
+                      policy: str = "chunked", page_size: int = 16,
+                      step_model=None) -> List[StepShape]:
+  """Run a trace through the scheduler on the virtual clock under the exact table and
+  return its steps' shapes (the demand a table must cover)."""
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  longest = max(r["prompt_tokens"] + r["output_tokens"] for r in trace)
+  pages = -(-longest // page_size)
+  table = table_for("exact", max_tokens, max_requests, pages)
+  ex = SimExecutor(step_model or AffineStepModel(), num_pages=pages * max_requests + 16,
+                   page_size=page_size, token_id=1)
+  eng = Engine(ex, SchedulerConfig(policy=policy, max_running=max_requests,
+                                   token_budget=max_tokens, chunk_size=max_tokens),
+               buckets=table, max_model_len=pages * page_size,
+               max_step_records=10 ** 9, max_retained_requests=10 ** 9)
+  for i, r in enumerate(sorted(trace, key=lambda r: r["arrival_s"])):
+    eng.add_request([2] * r["prompt_tokens"],
+                    SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True),
+                    request_id=i, arrival_time=r["arrival_s"])
+  eng.run()
+  return [shape_of_members(s.members) for s in eng.steps]
+
