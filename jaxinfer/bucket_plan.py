@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from jaxinfer.buckets import BucketTable, geometric
+from jaxinfer.buckets import Bucket, BucketTable, geometric
 
 STRATEGIES = ("pow2", "pow4", "linear", "exact", "fitted")
 
@@ -78,9 +78,12 @@ def select_for(table: BucketTable, s: StepShape):
 
 
 def fit_sizes(values: Sequence[int], k: int, hi: int,
-              weights: Optional[Sequence[float]] = None) -> Tuple[int, ...]:
-  """At most k sizes (the largest is hi) minimising sum(w * smallest size >= v): exact
-  dynamic programming over the distinct values, O(k m^2) for m of them."""
+              weights: Optional[Sequence[float]] = None,
+              cost: Optional[Callable[[int], float]] = None) -> Tuple[int, ...]:
+  """At most k sizes (the largest is hi) minimising sum(w * cost(smallest size >= v))
+  (cost: non-decreasing; default the size itself): exact dynamic programming over the
+  distinct values, O(k m^2) for m of them."""
+  cost = cost or float
   if k < 1:
     raise ValueError(f"k must be >= 1, got {k}")
   w = np.ones(len(values)) if weights is None else np.asarray(weights, np.float64)
@@ -99,13 +102,14 @@ def fit_sizes(values: Sequence[int], k: int, hi: int,
   INF = float("inf")
   best = np.full((k + 1, m), INF)
   back = np.zeros((k + 1, m), np.int64)
+  cx = [cost(x) for x in xs]
   for j in range(m):
-    best[1, j] = cw[j + 1] * xs[j]
+    best[1, j] = cw[j + 1] * cx[j]
   for kk in range(2, k + 1):
     for j in range(m):
       best[kk, j], back[kk, j] = best[kk - 1, j], -1
       for i in range(j):  # the previous size is xs[i]; values i+1..j pad to xs[j]
-        c = best[kk - 1, i] + (cw[j + 1] - cw[i + 1]) * xs[j]
+        c = best[kk - 1, i] + (cw[j + 1] - cw[i + 1]) * cx[j]
         if c < best[kk, j]:
           best[kk, j], back[kk, j] = c, i
   sizes, kk, j = [], k, m - 1
@@ -119,12 +123,46 @@ def fit_sizes(values: Sequence[int], k: int, hi: int,
   return tuple(sorted(sizes))
 
 
-def padding(table: BucketTable, shapes: Sequence[StepShape]) -> Dict[str, float]:
+def rows_cost(b: Bucket) -> float:
+  """Work rows of a bucket: token rows + prefill query rows (slots x Q)."""
+  return float(b.num_tokens + b.prefill_slots * b.max_query_len)
+
+
+def step_time_cost(step_model) -> Callable[[Bucket], float]:
+  """A bucket's cost as the step-time model's seconds for its padded shape: Rp prefill
+  slots of Q new tokens, R - Rp decode slots, the rest of T as one-token rows (no cached
+  context: the padding's own cost). With a roofline model, padding below the compute
+  knee is free and above it costs its FLOPs, as measured here."""
+  def cost(b: Bucket) -> float:
+    seqs = [(b.max_query_len, 0)] * b.prefill_slots + [(1, 0)] * (
+        b.num_requests - b.prefill_slots)
+    seqs += [(1, 0)] * max(b.num_tokens - sum(c for c, _ in seqs), 0)
+    return float(step_model.step_time(seqs))
+  return cost
+
+
+def roofline_cost(target: str) -> Callable[[Bucket], float]:
+  """step_time_cost on the roofline of "model@hardware" (f32 on local-cpu, else bf16)."""
+  from jaxinfer.costmodel import RooflineStepModel
+  model, sep, hw = target.partition("@")
+  if not sep:
+    raise ValueError(f"a cost target is 'model@hardware', got {target!r}")
+  f32 = hw == "local-cpu"
+  return step_time_cost(RooflineStepModel.for_names(
+      model, hw, kv_format="f32" if f32 else "bf16", bytes_per_param=4.0 if f32 else 2.0))
+
+
+def padding(table: BucketTable, shapes: Sequence[StepShape],
+            cost: Optional[Callable[[Bucket], float]] = None) -> Dict[str, float]:
   """Padding a trace's steps pay under a table: token rows, request slots and prefill
-  query rows (slots x Q) run beyond the real ones, as fractions of what ran."""
+  query rows (slots x Q) run beyond the real ones, as fractions of what ran; "work" is
+  token rows + prefill query rows (what `fit_table` minimises: a padded query row scores
+  every cached and new key of its slot, measured here as costly as a token row or more)."""
   tok = tok_b = slots = slots_b = q_rows = q_rows_b = 0
+  total = 0.0
   for s in shapes:
     b = select_for(table, s)
+    total += (cost or rows_cost)(b)
     tok, tok_b = tok + s.n, tok_b + b.num_tokens
     slots, slots_b = slots + s.d + s.p, slots_b + b.num_requests
     if s.p:
@@ -134,7 +172,9 @@ def padding(table: BucketTable, shapes: Sequence[StepShape]) -> Dict[str, float]
           "padded_token_frac": 1 - tok / tok_b if tok_b else 0.0,
           "padded_slot_frac": 1 - slots / slots_b if slots_b else 0.0,
           "padded_query_row_frac": 1 - q_rows / q_rows_b if q_rows_b else 0.0,
-          "mean_bucket_tokens": tok_b / max(len(shapes), 1)}
+          "padded_work_frac": 1 - (tok + q_rows) / (tok_b + q_rows_b) if tok_b else 0.0,
+          "mean_bucket_tokens": tok_b / max(len(shapes), 1),
+          "mean_step_cost": total / max(len(shapes), 1)}
 
 
 def num_shapes(table: BucketTable) -> int:
@@ -142,10 +182,19 @@ def num_shapes(table: BucketTable) -> int:
 
 
 def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
-              max_requests: int, max_pages: int, max_sizes: int = 6) -> Tuple[BucketTable, dict]:
-  """The table of at most max_shapes executables that minimises the trace's padded token
-  rows (then padded slots): each axis fitted by `fit_sizes` for every combination of
-  sizes per axis up to max_sizes, the combinations compared on the trace."""
+              max_requests: int, max_pages: int, max_sizes: int = 6,
+              cost: Optional[Callable[[Bucket], float]] = None) -> Tuple[BucketTable, dict]:
+  """The table of at most max_shapes executables that minimises the trace's mean step
+  cost (`cost` of each step's bucket: default `rows_cost`; `step_time_cost(model)` for
+  seconds on a roofline): each axis fitted by `fit_sizes` under that cost for every
+  combination of sizes per axis up to max_sizes, the combinations compared on the trace.
+  (Padded token rows were the first objective: on real SmolLM2 the table it chose ran
+  16-request decode steps at 70 tokens, past this CPU's compute knee, and doubled TTFT
+  against pow4; step time under the roofline sees the knee.)"""
+  cost = cost or rows_cost
+  P = max_pages
+  c_tok = lambda x: cost(Bucket(x, 1, P, 1, 1, 0))  # noqa: E731
+  c_qry = lambda x: cost(Bucket(x, 1, P, x, 1, 1))  # noqa: E731
   if not shapes:
     raise ValueError("fitting a table needs at least one step shape")
   if max_shapes < 1:
@@ -156,18 +205,18 @@ def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
   ps = [s.p for s in shapes if s.p]
   best, tried = None, 0
   for kt, kr, kq in itertools.product(range(1, max_sizes + 1), repeat=3):
-    tok = fit_sizes(ns, kt, max_tokens)
+    tok = fit_sizes(ns, kt, max_tokens, cost=c_tok)
     req = fit_sizes(rs, kr, max_requests)
     pre = tuple(sorted(set(fit_sizes(ps, kr, max_requests)) | {max_requests})) if ps else req
-    qry = (1,) + (fit_sizes(qs, kq, max_tokens) if qs else (max_tokens,))
+    qry = (1,) + (fit_sizes(qs, kq, max_tokens, cost=c_qry) if qs else (max_tokens,))
     table = BucketTable(token_sizes=tok, request_sizes=req, page_sizes=(max_pages,),
                         query_sizes=qry, prefill_slot_sizes=pre)
     count = num_shapes(table)
     tried += 1
     if count > max_shapes:
       continue
-    pad = padding(table, shapes)
-    key = (pad["padded_token_frac"], pad["padded_slot_frac"], count)
+    pad = padding(table, shapes, cost)
+    key = (pad["mean_step_cost"], pad["padded_slot_frac"], count)
     if best is None or key < best[0]:
       best = (key, table, count, pad)
   if best is None:

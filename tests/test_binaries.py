@@ -212,3 +212,22 @@ def test_serve_bench_tiny(tmp_path):
   assert d["offline"]["continuous"]["output_tokens"] == 2 * 4
   assert d["floors"]["bandwidth_floor_ms"] > 0 and d["floors"]["compute_floor_ms"] > 0
   assert "serving overhead" in out and (tmp_path / "serve_bench.png").stat().st_size > 5_000
+
+
+def test_buckets_small(tmp_path):
+  """experiments.buckets at CI size: the real warm-up compiles exactly the table's shapes
+  (cold, then again from the persistent cache: faster), the exact table never pads, a
+  fitted table keeps its cap, and charging compiles at first use never makes latency
+  better than warming up."""
+  _run("experiments.buckets", _config("buckets", "small"), f"--output_dir={tmp_path}")
+  d = _loads((tmp_path / "buckets.json").read_text())
+  (r,) = d["real"]
+  assert r["executables"] == r["num_shapes"] and r["warmup_cached_s"] < r["warmup_cold_s"]
+  assert r["run"]["distinct_shapes_run"] <= r["num_shapes"]
+  sim = {x["strategy"]: x for x in d["sim"]}
+  assert sim["exact"]["padded_token_frac"] == 0.0 < sim["pow4"]["padded_token_frac"]
+  assert sim["fitted:12"]["num_shapes"] <= 12
+  for x in d["sim"]:
+    assert x["cold"]["compiles"] == x["cold"]["distinct_shapes_run"]
+    assert x["cold"]["ttft"]["p99_ms"] >= x["warm"]["ttft"]["p99_ms"]
+  assert (tmp_path / "buckets.png").stat().st_size > 5_000

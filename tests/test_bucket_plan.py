@@ -63,9 +63,13 @@ def test_fitted_table_covers_the_trace_under_the_cap_and_pads_less(chat_shapes):
   for s in chat_shapes:  # every step of the trace has a bucket that holds it
     b = bp.select_for(table, s)
     assert b.num_tokens >= s.n and b.num_requests >= s.d + s.p
-  # the token axis is fitted by exact DP, so with the same budget of executables it
-  # pads no more than the powers-of-four ladder (here: strictly less)
-  assert info["padded_token_frac"] < bp.padding(pow4, chat_shapes)["padded_token_frac"]
+  # with the same budget of executables the fitted table costs less than the powers-of-
+  # four ladder on the trace it was fitted to, under either objective
+  assert info["mean_step_cost"] < bp.padding(pow4, chat_shapes)["mean_step_cost"]
+  cost = bp.roofline_cost("smollm2-135m-instruct@local-cpu")
+  timed, tinfo = bp.fit_table(chat_shapes, cap, 128, 32, 64, max_sizes=4, cost=cost)
+  assert tinfo["num_shapes"] <= cap
+  assert tinfo["mean_step_cost"] < bp.padding(pow4, chat_shapes, cost)["mean_step_cost"]
   with pytest.raises(ValueError, match="raise max_shapes"):
     bp.fit_table(chat_shapes, 1, 128, 32, 64, max_sizes=2)
 

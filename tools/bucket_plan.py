@@ -26,6 +26,9 @@ flags.DEFINE_integer("max_model_len", 4096, "context window: the one page tier")
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "fixed"], "scheduler policy")
 flags.DEFINE_integer("max_sizes", 5, "sizes per axis the search tries (1..this)")
+flags.DEFINE_string("cost", "smollm2-135m-instruct@local-cpu", "what a step costs: "
+                    "'model@hardware' (seconds on the calibrated roofline) or 'rows' (token "
+                    "rows + prefill query rows)")
 flags.DEFINE_string("output", "", "write the table and the comparison as JSON here")
 
 
@@ -49,30 +52,37 @@ def main(argv):
   if too_long:
     raise app.UsageError(f"{len(too_long)} trace requests exceed --max_model_len="
                          f"{FLAGS.max_model_len} (first: line {too_long[0] + 1})")
+  try:
+    cost = bp.rows_cost if FLAGS.cost == "rows" else bp.roofline_cost(FLAGS.cost)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--cost={FLAGS.cost}: {e}")
   shapes = bp.trace_step_shapes(trace, T, R, FLAGS.policy, FLAGS.page_size)
-  table, info = bp.fit_table(shapes, FLAGS.max_shapes, T, R, P, FLAGS.max_sizes)
-  rows = {"fitted": {"num_shapes": info["num_shapes"], **bp.padding(table, shapes)}}
+  table, info = bp.fit_table(shapes, FLAGS.max_shapes, T, R, P, FLAGS.max_sizes, cost)
+  rows = {"fitted": {"num_shapes": info["num_shapes"], **bp.padding(table, shapes, cost)}}
   for s in ("pow2", "pow4", "linear"):
     t = bp.table_for(s, T, R, P)
-    rows[s] = {"num_shapes": bp.num_shapes(t), **bp.padding(t, shapes)}
+    rows[s] = {"num_shapes": bp.num_shapes(t), **bp.padding(t, shapes, cost)}
   rows["exact"] = {"num_shapes": len(set(bp.select_for(bp.table_for("exact", T, R, P), x)
                                          for x in shapes)),
-                   **bp.padding(bp.table_for("exact", T, R, P), shapes)}
+                   **bp.padding(bp.table_for("exact", T, R, P), shapes, cost)}
   print(f"trace {FLAGS.trace}: {len(trace)} requests -> {len(shapes)} steps "
         f"(policy {FLAGS.policy}, {T} tokens x {R} requests per step)")
   print(f"fitted table (<= {FLAGS.max_shapes} shapes): {strict_json.dumps(table.to_json())}")
+  unit = "rows" if FLAGS.cost == "rows" else "ms"
+  scale = 1.0 if FLAGS.cost == "rows" else 1e3
   print(f"\n{'strategy':>8} {'shapes':>7} {'pad tokens':>11} {'pad slots':>10} "
-        f"{'pad Q rows':>11} {'mean T':>7}")
+        f"{'pad Q rows':>11} {'mean T':>7} {'step ' + unit:>9}")
   for name, r in rows.items():
     print(f"{name:>8} {r['num_shapes']:>7} {100 * r['padded_token_frac']:>10.1f}% "
           f"{100 * r['padded_slot_frac']:>9.1f}% {100 * r['padded_query_row_frac']:>10.1f}% "
-          f"{r['mean_bucket_tokens']:>7.1f}")
+          f"{r['mean_bucket_tokens']:>7.1f} {scale * r['mean_step_cost']:>9.2f}")
+  print(f"(step {unit}: the mean step's cost under --cost={FLAGS.cost}, padding only)")
   print("(exact: the distinct shapes this trace ran, each its own executable)")
   if FLAGS.output:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
     with open(FLAGS.output, "w") as f:
       strict_json.dump({"table": table.to_json(), "trace": FLAGS.trace,
-                        "steps": len(shapes), "strategies": rows,
+                        "steps": len(shapes), "cost": FLAGS.cost, "strategies": rows,
                         "search": {"combinations_tried": info["combinations_tried"]}}, f,
                        indent=1)
     print(f"wrote {FLAGS.output}", file=sys.stderr)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Sequence, Tuple
+from typing import Any, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from jaxinfer.buckets import Bucket
 from jaxinfer.runtime.batcher import StepInput
 from jaxinfer.runtime.scheduler import StepPlan
 
@@ -17,10 +18,12 @@ class StepResult:
 
 
 class Executor(Protocol):
+  """Both executors implement all of it (the engine dispatches on nothing else)."""
   num_pages: int
   page_size: int
-  virtual_clock: bool
+  virtual_clock: bool  # True: durations are modelled, the engine's clock is virtual
   vocab_size: Optional[int]  # token ids the model accepts: [0, vocab_size); None = any
+  step_model: Optional[object]  # a StepTimeModel when steps are modelled, else None
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None: ...
 
@@ -28,4 +31,15 @@ class Executor(Protocol):
 
   def fetch_pages(self, moves: Sequence[Tuple[int, int]]) -> None: ...
 
-  def execute(self, step: StepInput, plan: StepPlan) -> StepResult: ...
+  def launch(self, step: StepInput, plan: StepPlan) -> Any:
+    """Start a step; returns a handle for `collect` (a real device runs asynchronously)."""
+
+  def collect(self, handle: Any) -> StepResult: ...
+
+  def execute(self, step: StepInput, plan: StepPlan) -> StepResult:
+    """collect(launch(step, plan))."""
+
+  def warmup(self, buckets: Sequence[Bucket]) -> float:
+    """Compile the given shapes ahead of time; seconds spent (0 when nothing compiles)."""
+
+  def memory_report(self) -> dict: ...

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 class JaxExecutor:
   virtual_clock = False
+  step_model = None  # steps are timed, not modelled
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                kv_format: str = "f32", backend: str = "xla", offload=None,

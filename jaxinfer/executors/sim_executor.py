@@ -73,7 +73,7 @@ class SimExecutor:
     engine pays without warm-up); `compiles` counts them."""
     if compile_s < 0 or not np.isfinite(compile_s):
       raise ValueError(f"compile_s must be a finite number >= 0, got {compile_s!r}")
-    self.model = model
+    self.step_model = model
     self.pad_to_buckets = pad_to_buckets
     self.compile_s = compile_s
     self.compiled = set()
@@ -114,4 +114,16 @@ class SimExecutor:
         acc = j < len(s.draft) and self._rng.random() < self.acceptance
         rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
     packed = np.array(rows, np.float32).reshape(-1, 3)
-    return StepResult(packed=packed, duration_s=self.model.step_time(seqs) + extra)
+    return StepResult(packed=packed, duration_s=self.step_model.step_time(seqs) + extra)
+
+  def launch(self, step, plan: StepPlan) -> StepResult:
+    return self.execute(step, plan)  # nothing runs asynchronously: the handle is the result
+
+  def collect(self, handle: StepResult) -> StepResult:
+    return handle
+
+  def warmup(self, buckets) -> float:
+    return 0.0  # nothing to compile (compile_s charges a shape at its first use instead)
+
+  def memory_report(self) -> dict:
+    return {"kv_pages": self.num_pages, "page_size": self.page_size}

@@ -117,7 +117,7 @@ class Engine:
     self.pm = PageManager(executor.num_pages, executor.page_size)
     self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
                   if prefix_cache else None)
-    self.step_model = step_model if step_model is not None else getattr(executor, "model", None)
+    self.step_model = step_model if step_model is not None else executor.step_model
     self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,
                                max_step_requests=buckets.max_requests,
                                estimate_time=None if self.step_model is None else
@@ -134,7 +134,7 @@ class Engine:
     self._failed: List[TokenEvent] = []  # error events of failed requests, for step()
     self.drafter = drafter
     self.draft_policy = draft_policy
-    if drafter is not None and hasattr(drafter, "bind"):
+    if drafter is not None:
       drafter.bind(self)
     self.draft_time_s = 0.0
     self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
@@ -347,7 +347,7 @@ class Engine:
       b = step.bucket
     step_id = self._launching_step = self.pm.begin_step([s.request.request_id
                                                          for s in plan.seqs])
-    handle = ex.launch(step, plan) if hasattr(ex, "launch") else ex.execute(step, plan)
+    handle = ex.launch(step, plan)
     self._in_flight = InFlight(plan, handle, step_id, now,
                                (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len,
                                 b.prefill_slots),
@@ -358,7 +358,7 @@ class Engine:
     self._check_owner()
     ex = self.executor
     try:
-      result = ex.collect(f.handle) if hasattr(ex, "collect") else f.handle
+      result = ex.collect(f.handle)
     except Exception as e:  # noqa: BLE001 -- the step's requests fail, the engine serves on
       self._fail(f.plan, e, f.step_id)
       return self._take_failed()
@@ -453,15 +453,14 @@ class Engine:
 
   def metrics(self, correct=None) -> Dict:
     m = summarize(list(self.requests.values()), self.steps, correct)
-    if hasattr(self.executor, "memory_report"):
-      m["memory"] = self.executor.memory_report()
+    m["memory"] = self.executor.memory_report()
     return m
 
   # --- speculative decoding (8.5) -------------------------------------------------------------
   def _round_time(self, batch: int) -> Callable[[int], float]:
     """Estimated time of a verify step in which one request carries m drafts, the
     other batch - 1 requests one token each; padding to the next token bucket counts."""
-    model = getattr(self.executor, "model", None)
+    model = self.executor.step_model
 
     def t(m: int) -> float:
       n = batch + m

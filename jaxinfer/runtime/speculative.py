@@ -27,6 +27,10 @@ class Drafter(Protocol):
   def warmup(self, buckets) -> float:
     """Compile what drafting runs at these (non-verify) bucket shapes; seconds spent."""
 
+  def bind(self, engine) -> None:
+    """Called once by the Engine that will use this drafter (model drafters take their
+    pages and executables from it; host-side drafters need nothing)."""
+
 
 @dataclasses.dataclass
 class NgramDrafter:
@@ -39,6 +43,9 @@ class NgramDrafter:
 
   def warmup(self, buckets) -> float:
     return 0.0  # host-side: nothing to compile
+
+  def bind(self, engine) -> None:
+    pass
 
   def propose(self, requests, lengths):
     out = {}
@@ -70,6 +77,9 @@ class FixedDrafter:
 
   def warmup(self, buckets) -> float:
     return 0.0  # host-side: nothing to compile
+
+  def bind(self, engine) -> None:
+    pass
 
   def propose(self, requests, lengths):
     return {r.request_id: [self.token] * lengths.get(r.request_id, 0) for r in requests}
