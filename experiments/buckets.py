@@ -120,7 +120,8 @@ def real(c, trace):
   from jaxinfer.loading import load_model
   from jaxinfer.step import model_step
   T, R, L = c.real_max_tokens, c.real_max_seqs, c.real_max_model_len
-  reqs = [dict(r, prompt_tokens=min(r["prompt_tokens"], c.real_max_prompt),
+  # All at once, as LLM.generate submits them: the fitted table sees the same steps.
+  reqs = [dict(r, arrival_s=0.0, prompt_tokens=min(r["prompt_tokens"], c.real_max_prompt),
                output_tokens=min(r["output_tokens"], c.real_max_output))
           for r in trace[:c.real_requests]]
   shapes = bp.trace_step_shapes(reqs, T, R)
@@ -129,12 +130,13 @@ def real(c, trace):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(100, 20000, r["prompt_tokens"]).tolist() for r in reqs]
   sps = [SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True) for r in reqs]
+  cpu_cost = bp.roofline_cost("smollm2-135m-instruct@local-cpu")
   rows = []
   prog = Progress(len(c.real_strategies), "buckets real")
   for name in c.real_strategies:
     if name.startswith("fitted:"):
       table = bp.fit_table(shapes, int(name.split(":")[1]), T, R, P, c.max_sizes,
-                           bp.roofline_cost("smollm2-135m-instruct@local-cpu"))[0]
+                           cpu_cost)[0]
     else:
       table = bp.table_for(name, T, R, P)
     n = bp.num_shapes(table)
@@ -156,7 +158,7 @@ def real(c, trace):
     row = {"strategy": name, "table": table.to_json(), "num_shapes": n,
            "executables": executables, "warmup_cold_s": cold, "warmup_cached_s": cached,
            "compile_s_per_shape": cold / max(n, 1), "generate_s": wall,
-           **bp.padding(table, shapes), "run": _summary(llm.engine),
+           **bp.padding(table, shapes, cpu_cost), "run": _summary(llm.engine),
            "staircase": [(sum(t for _, t, _ in s.members), s.bucket[0], s.duration)
                          for s in llm.engine.steps]}
     rows.append(row)
@@ -186,6 +188,7 @@ def run_study(c, output_dir):
 
 def _figures(res, output_dir):
   import matplotlib
+  import matplotlib.ticker
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -197,6 +200,8 @@ def _figures(res, output_dir):
                marker="o" if r["strategy"].startswith("fitted") else "s")
     ax.annotate(r["strategy"], (r["num_shapes"], 100 * r["padded_token_frac"]), fontsize=8)
   ax.set_xscale("log")
+  ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   ax.set_xlabel("compiled shapes (executables)")
   ax.set_ylabel("padded token rows (%)")
   ax.set_title(f"padding vs executables ({sim[0]['trace']}, {sim[0]['target']})",

@@ -26,6 +26,7 @@ from typing import Dict, List
 import numpy as np
 
 from experiments.common import Progress, run_binary, write_json
+from jaxinfer.costmodel.formulas import expected_tokens
 from jaxinfer.plotting import plot_timeline, pyplot, save
 
 MIB = 2**20
@@ -53,7 +54,7 @@ def acceptance_for(tokens_per_round: float, m: int) -> float:
   lo, hi = 0.0, 1.0
   for _ in range(60):
     a = (lo + hi) / 2
-    if sum(a**j for j in range(m + 1)) < tokens_per_round:
+    if expected_tokens(a, m) < tokens_per_round:
       lo = a
     else:
       hi = a

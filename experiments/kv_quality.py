@@ -162,21 +162,19 @@ def teacher_forced(loaded, variant: str, texts: List[List[int]], timing_steps: i
   """Feed the texts token by token (one decode step per position, all texts batched).
   Returns (metrics, log-probs [T-1, B, V]); with `ref` (the f32 log-probs) the metrics
   include top-1 agreement and KL(ref || variant)."""
-  from jaxinfer.buckets import BucketTable
   from jaxinfer.executors.jax_executor import JaxExecutor
-  from jaxinfer.runtime.batcher import SeqWork, pack
+  from jaxinfer.runtime.batcher import SeqWork, pack_exact
   fmt, qp = parse_variant(variant)
   B, T, page = len(texts), len(texts[0]), 16
   ppr = -(-(T + timing_steps + 2) // page)
   num_pages = B * ppr
-  table = BucketTable(token_sizes=(B,), request_sizes=(B,), page_sizes=(ppr,))
   ex = JaxExecutor(loaded.cfg, loaded.params, num_pages=num_pages, page_size=page,
                    kv_format=fmt, q_precision=qp)
   pts = [list(range(i * ppr, (i + 1) * ppr)) for i in range(B)]
 
   def step(tokens, pos):
-    return pack([SeqWork([tok], pos, pts[i]) for i, tok in enumerate(tokens)], table, page,
-                 num_pages)
+    return pack_exact([SeqWork([tok], pos, pts[i]) for i, tok in enumerate(tokens)], page,
+                      num_pages, pages_per_request=ppr)
 
   lps = np.zeros((T - 1, B, loaded.cfg.vocab_size), np.float32)
   for t in range(T - 1):

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.buckets import BucketTable
 from jaxinfer.config import ModelConfig
-from jaxinfer.runtime.batcher import SeqWork, StepInput, pack
+from jaxinfer.runtime.batcher import SeqWork, StepInput, pack_exact
 from jaxinfer.runtime.accounting import pages_for
 
 
@@ -86,11 +85,9 @@ def uniform_step(batch: int, context: int, new_tokens: int = 1, page_size: int =
   wider than the context, as a table with few page tiers runs it). Returns (step, pages
   the pool needs)."""
   pages = pages_for(context + new_tokens, page_size)
-  table = BucketTable(token_sizes=(batch * new_tokens,), request_sizes=(batch,),
-                      page_sizes=(max(pages, page_width),), query_sizes=(new_tokens,))
   works = [SeqWork([token_ids] * new_tokens, context, list(range(i * pages, (i + 1) * pages)))
            for i in range(batch)]
-  return pack(works, table, page_size, batch * pages), batch * pages
+  return pack_exact(works, page_size, batch * pages, page_width), batch * pages
 
 
 def time_step(executor, step: StepInput, repeats: int = 5) -> float:

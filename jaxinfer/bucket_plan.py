@@ -204,11 +204,19 @@ def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
   qs = [min(s.q, max_tokens) for s in shapes if s.p]
   ps = [s.p for s in shapes if s.p]
   best, tried = None, 0
-  for kt, kr, kq in itertools.product(range(1, max_sizes + 1), repeat=3):
-    tok = fit_sizes(ns, kt, max_tokens, cost=c_tok)
-    req = fit_sizes(rs, kr, max_requests)
-    pre = tuple(sorted(set(fit_sizes(ps, kr, max_requests)) | {max_requests})) if ps else req
-    qry = (1,) + (fit_sizes(qs, kq, max_tokens, cost=c_qry) if qs else (max_tokens,))
+  k = range(1, max_sizes + 1)
+  tok_k = {kt: fit_sizes(ns, kt, max_tokens, cost=c_tok) for kt in k}
+  req_k = {kr: fit_sizes(rs, kr, max_requests) for kr in k}
+  pre_k = {kp: tuple(sorted(set(fit_sizes(ps, kp, max_requests)) | {max_requests}))
+           for kp in k} if ps else {1: (max_requests,)}
+  qry_k = {kq: (1,) + fit_sizes(qs, kq, max_tokens, cost=c_qry) for kq in k} if qs else {
+      1: (1, max_tokens)}
+  seen = set()
+  for kt, kr, kp, kq in itertools.product(k, k, pre_k, qry_k):
+    tok, req, pre, qry = tok_k[kt], req_k[kr], pre_k[kp], qry_k[kq]
+    if (tok, req, pre, qry) in seen:  # fewer distinct values than k: same sizes again
+      continue
+    seen.add((tok, req, pre, qry))
     table = BucketTable(token_sizes=tok, request_sizes=req, page_sizes=(max_pages,),
                         query_sizes=qry, prefill_slot_sizes=pre)
     count = num_shapes(table)

@@ -15,14 +15,20 @@ from jaxinfer import sampling
 from jaxinfer.model import transformer
 
 
-def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
-  logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
-                                     backend=backend)
+def sample_packed(logits, inputs):
+  """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
+  (token id, logprob, draft accepted), the step's one device -> host copy (what
+  `StepResult.packed` holds)."""
   ids, lp, accepted = sampling.verify(logits, inputs["temperature"], inputs["top_k"],
                                       inputs["top_p"], inputs["seed"], inputs["counter"],
                                       inputs["draft_ids"])
-  # [S, 3] (token id, logprob, draft accepted): the step's one device -> host copy.
-  packed = jnp.stack([ids.astype(jnp.float32), lp, accepted.astype(jnp.float32)], axis=-1)
+  return jnp.stack([ids.astype(jnp.float32), lp, accepted.astype(jnp.float32)], axis=-1)
+
+
+def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
+  logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
+                                     backend=backend)
+  packed = sample_packed(logits, inputs)
   if return_logits:
     return (packed, logits), pool
   return packed, pool

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.buckets import BucketTable
 from jaxinfer.executors.jax_executor import JaxExecutor
-from jaxinfer.runtime.batcher import SeqWork, pack
+from jaxinfer.runtime.batcher import SeqWork, pack_exact
 
 
 def full_logits(cfg, params, ids, kv_format="f32"):
@@ -13,10 +12,9 @@ def full_logits(cfg, params, ids, kv_format="f32"):
   n = len(ids)
   page_size = 16
   pages = -(-n // page_size)
-  table = BucketTable(token_sizes=(max(n, 1),), request_sizes=(1,), page_sizes=(pages,))
   ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format,
                    backend="reference")  # the oracle runs the plain jnp attention
-  step = pack([SeqWork(ids, 0, list(range(pages)))], table, page_size, pages)
+  step = pack_exact([SeqWork(ids, 0, list(range(pages)))], page_size, pages)
   step = _all_positions(step, n)
   _, logits = ex.run(step, return_logits=True)
   return logits[:n]

@@ -38,14 +38,11 @@ PROMPTS = ["Tell me about the ocean.", "Explain how a bicycle works.", "Write a 
 
 def _batch_inputs(B, T, page_size=16):
   """Metadata for B requests prefilling T tokens each from empty caches."""
-  from jaxinfer.buckets import BucketTable
-  from jaxinfer.runtime.batcher import SeqWork, pack
+  from jaxinfer.runtime.batcher import SeqWork, pack_exact
   pages = -(-T // page_size)
-  table = BucketTable(token_sizes=(B * T,), request_sizes=(B,), page_sizes=(pages,),
-                      query_sizes=(T,), prefill_slot_sizes=(B,))
   works = [SeqWork([0] * T, 0, list(range(i * pages, (i + 1) * pages)), num_logits=0)
            for i in range(B)]
-  step = pack(works, table, page_size, B * pages)
+  step = pack_exact(works, page_size, B * pages)
   return step.arrays, step.bucket.attn_shape, B * pages
 
 

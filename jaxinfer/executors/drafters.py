@@ -37,12 +37,12 @@ class EarlyExitDrafter:
     """Compile the draft step at every decode-only bucket (what propose() packs)."""
     import time
     import jax
-    from jaxinfer.executors.jax_executor import dummy_inputs
+    from jaxinfer.runtime.batcher import empty_step_arrays
     t0 = time.perf_counter()
     ex = self.engine.executor
     for b in buckets:
       if b.prefill_slots == 0 and b.num_logits == b.num_requests:
-        _, ex.pool = draft_step(ex.params, ex.pool, dummy_inputs(b, ex.num_pages), cfg=ex.cfg,
+        _, ex.pool = draft_step(ex.params, ex.pool, empty_step_arrays(b, ex.num_pages), cfg=ex.cfg,
                                 attn_shape=b.attn_shape, backend=ex.backend,
                                 num_layers=self.num_layers)
     jax.block_until_ready(ex.pool)

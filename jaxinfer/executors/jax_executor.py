@@ -13,7 +13,7 @@ from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.executors.base import StepResult
-from jaxinfer.runtime.batcher import StepInput
+from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.step import (copy_pages_jit, enable_compilation_cache, model_step,
                            read_pages_jit, write_pages_jit)
 
@@ -131,7 +131,7 @@ class JaxExecutor:
     """Compile every given bucket ahead of time; returns seconds spent."""
     t0 = time.perf_counter()
     for b in buckets:
-      self.launch(StepInput(dummy_inputs(b, self.num_pages), b, [], 0))
+      self.launch(StepInput(empty_step_arrays(b, self.num_pages), b, [], 0))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
 
@@ -142,12 +142,3 @@ def _pad_pow2(pages, fill: int) -> np.ndarray:
   return np.array(list(pages) + [fill] * (n - len(pages)), np.int32)
 
 
-def dummy_inputs(b: Bucket, num_pages: int):
-  """All-padding inputs of a bucket's shape (writes nothing: pages = num_pages)."""
-  T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
-  z = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-  return dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
-              write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
-              cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
-              top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
-              counter=z(S), draft_ids=np.full(S, -1, np.int32))

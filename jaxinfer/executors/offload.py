@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sampling
+from jaxinfer.step import sample_packed
 from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
 from jaxinfer.kv import write_tokens
 from jaxinfer.model import layers as L
@@ -45,7 +45,7 @@ def _embed(params, batch, cfg):
 
 
 def _one_layer(x, p, i, rope, pool, batch, cfg, attn_shape, backend):
-  return transformer._layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+  return transformer.layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
 
 
 def _head(params, pool, batch, x, ks, vs, cfg):
@@ -53,9 +53,7 @@ def _head(params, pool, batch, x, ks, vs, cfg):
   pool = write_tokens(pool, jnp.stack(ks), jnp.stack(vs), batch["write_page"],
                       batch["write_offset"])
   logits = transformer.lm_head(params, x[batch["logits_idx"]])
-  ids, lp, acc = sampling.verify(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                                 batch["seed"], batch["counter"], batch["draft_ids"])
-  return jnp.stack([ids.astype(jnp.float32), lp, acc.astype(jnp.float32)], axis=-1), pool
+  return sample_packed(logits, batch), pool
 
 
 _embed_jit = jax.jit(_embed, static_argnames=("cfg",))

@@ -15,7 +15,7 @@ from jaxinfer.kv import write_tokens
 from jaxinfer.model import layers
 
 
-def _layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
+def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
   h, k, v = layers.attention_block(
       layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
       attn_shape=attn_shape, backend=backend)
@@ -40,7 +40,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
     def body(x, xs):
       p, i = xs
-      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
@@ -49,14 +49,14 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
     def body_i(x, i):
       p = jax.tree_util.tree_map(lambda a: a[i], lp)
-      x, k, v = _layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body_i, x, jnp.arange(L, dtype=jnp.int32))
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):
-      x, k, v = _layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend)
+      x, k, v = layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend)
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)

@@ -51,29 +51,35 @@ def select_bucket(works: Sequence[SeqWork], table: BucketTable, page_size: int) 
                       num_logits=sum(w.num_logits for w in works))
 
 
+def empty_step_arrays(b: Bucket, num_pages: int) -> Dict[str, np.ndarray]:
+  """The step layout, defined once: every input array of a bucket's shape, holding
+  padding (a step of nothing: writes go to page `num_pages`, which the device drops).
+  Per token [T]: token_ids, positions, write_page, write_offset; per request slot [R]:
+  page_table [R, P], query_start, query_len, cached_len; per logits row [S]: logits_idx,
+  temperature, top_k, top_p, seed, counter, draft_ids (-1: no draft to verify)."""
+  T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
+  z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+  return dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
+              write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
+              cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
+              top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
+              counter=z(S), draft_ids=np.full(S, -1, np.int32))
+
+
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
          num_pages: int) -> StepInput:
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
   b = select_bucket(works, table, page_size)
-  T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
-
-  token_ids = np.zeros(T, np.int32)
-  positions = np.zeros(T, np.int32)
-  write_page = np.full(T, num_pages, np.int32)
-  write_offset = np.zeros(T, np.int32)
-  page_table = np.zeros((R, P), np.int32)
-  query_start = np.zeros(R, np.int32)
-  query_len = np.zeros(R, np.int32)
-  cached_len = np.zeros(R, np.int32)
-  logits_idx = np.zeros(S, np.int32)
-  temperature = np.zeros(S, np.float32)
-  top_k = np.zeros(S, np.int32)
-  top_p = np.ones(S, np.float32)
-  seed = np.zeros(S, np.uint32)
-  counter = np.zeros(S, np.int32)
-  draft_ids = np.full(S, -1, np.int32)
+  R = b.num_requests
+  a = empty_step_arrays(b, num_pages)
+  token_ids, positions, write_page, write_offset = (a[k] for k in (
+      "token_ids", "positions", "write_page", "write_offset"))
+  page_table, query_start, query_len, cached_len = (a[k] for k in (
+      "page_table", "query_start", "query_len", "cached_len"))
+  logits_idx, temperature, top_k, top_p, seed, counter, draft_ids = (a[k] for k in (
+      "logits_idx", "temperature", "top_k", "top_p", "seed", "counter", "draft_ids"))
   rows: List[Tuple[int, int]] = []
 
   # One-token (decode) works take the first slots, multi-token works the last Rp slots.
@@ -121,9 +127,22 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   for r in range(R):
     if r not in used:
       query_start[r] = t
-  arrays = dict(token_ids=token_ids, positions=positions, write_page=write_page,
-                write_offset=write_offset, page_table=page_table, query_start=query_start,
-                query_len=query_len, cached_len=cached_len, logits_idx=logits_idx,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter,
-                draft_ids=draft_ids)
-  return StepInput(arrays=arrays, bucket=b, logits_rows=rows, num_tokens=n_tok)
+  return StepInput(arrays=a, bucket=b, logits_rows=rows, num_tokens=n_tok)
+
+
+def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,
+               pages_per_request: int = 0) -> StepInput:
+  """Pack works at exactly their own shape: one bucket of their tokens, request slots,
+  longest query and pages per request (at least pages_per_request: a fixed width keeps
+  one compiled shape while contexts grow). For benchmarks, tools and tests that run a
+  fixed step outside an engine."""
+  if not works:
+    raise ValueError("cannot pack an empty step")
+  lens = [len(w.token_ids) for w in works]
+  n_pre = sum(n > 1 for n in lens)
+  pages = max([pages_per_request] + [-(-(w.cached_len + n) // page_size)
+                                     for w, n in zip(works, lens)])
+  table = BucketTable(token_sizes=(sum(lens),), request_sizes=(len(works),),
+                      page_sizes=(pages,), query_sizes=(max(lens),),
+                      prefill_slot_sizes=(max(n_pre, 1),))
+  return pack(works, table, page_size, num_pages)

@@ -15,6 +15,8 @@ import collections
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from jaxinfer.runtime.accounting import pages_for
+
 Copy = Tuple[int, int]  # (src page, dst page) for the device to copy before the step
 
 
@@ -47,7 +49,7 @@ class PageManager:
   # --- sizes ------------------------------------------------------------------------
   def pages_for(self, num_tokens: int) -> int:
     """ceil(num_tokens / page_size) (8.3.1)."""
-    return -(-num_tokens // self.page_size)
+    return pages_for(num_tokens, self.page_size)
 
   @property
   def num_free(self) -> int:
