@@ -111,6 +111,23 @@ def simulate(c, compile_s):
   return rows
 
 
+def _rss_mib() -> float:
+  """Resident memory of this process (Linux /proc; 0 elsewhere)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except OSError:
+    return 0.0
+
+
+def _maps() -> int:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
 def real(c, trace):
   """SmolLM2 on this machine: warm-up cold and from the persistent cache, then the run."""
   import jax
@@ -147,8 +164,10 @@ def real(c, trace):
     jax.clear_caches()
     llm = LLM.from_loaded(loaded, warmup=False, buckets=table, num_pages=R * P + 8,
                           max_model_len=L)
+    rss0, maps0 = _rss_mib(), _maps()
     cold = llm.engine.warmup()  # this process's persistent cache is empty for these shapes
     executables = model_step._cache_size()
+    rss1, maps1 = _rss_mib(), _maps()
     jax.clear_caches()  # in-memory executables gone: the next warm-up reads the disk cache
     cached = llm.engine.warmup()
     t0 = time.perf_counter()
@@ -157,6 +176,7 @@ def real(c, trace):
     assert all(len(o.token_ids) == r["output_tokens"] for o, r in zip(outs, reqs))
     row = {"strategy": name, "table": table.to_json(), "num_shapes": n,
            "executables": executables, "warmup_cold_s": cold, "warmup_cached_s": cached,
+           "executables_rss_mib": rss1 - rss0, "executables_memory_maps": maps1 - maps0,
            "compile_s_per_shape": cold / max(n, 1), "generate_s": wall,
            **bp.padding(table, shapes, cpu_cost), "run": _summary(llm.engine),
            "staircase": [(sum(t for _, t, _ in s.members), s.bucket[0], s.duration)
@@ -225,13 +245,15 @@ def print_table(res):
         f"({res['sim_compile_s_source']})")
   if res["real"]:
     print("\nreal SmolLM2, this machine")
-    print(f"{'strategy':>10} {'shapes':>6} {'cold s':>7} {'cached s':>8} {'pad tok':>8} "
+    print(f"{'strategy':>10} {'shapes':>6} {'cold s':>7} {'cached s':>8} {'exe MiB':>8} "
+          f"{'pad tok':>8} "
           f"{'step p50':>9} {'step p99':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8}")
     for r in res["real"]:
       u = r["run"]
       print(f"{r['strategy']:>10} {r['num_shapes']:>6} {r['warmup_cold_s']:>7.1f} "
-            f"{r['warmup_cached_s']:>8.1f} {100 * r['padded_token_frac']:>7.1f}% "
+            f"{r['warmup_cached_s']:>8.1f} {r['executables_rss_mib']:>8.1f} "
+            f"{100 * r['padded_token_frac']:>7.1f}% "
             f"{u['step']['p50_ms']:>9.1f} {u['step']['p99_ms']:>9.1f} "
             f"{u['ttft']['p50_ms']:>9.0f} {u['ttft']['p99_ms']:>9.0f} "
             f"{u['itl']['p50_ms']:>8.1f} {u['itl']['p99_ms']:>8.1f}")

@@ -120,13 +120,15 @@ def test_prefix_reuse_real_small(tmp_path):
 
 @pytest.mark.slow
 def test_kv_quality_small(tmp_path):
-  """8.4.4 at CI size: the f32 reference agrees with itself; q4_0 KV drifts from it
-  (KL > 0, top-1 < 1) and stores fewer bytes per token; every attempt is graded."""
+  """8.4.4 at CI size: the f32 paged decode agrees with a one-shot f32 prefill of the same
+  texts (computed: top-1 1.0, KL ~ rounding); q4_0 KV drifts from f32 (KL > 0, top-1 < 1)
+  and stores fewer bytes per token; every attempt is graded."""
   out = _run("experiments.kv_quality", _config("kv_quality", "small"),
              f"--output_dir={tmp_path}")
   d = _loads((tmp_path / "kv_quality.json").read_text())
   s = {r["variant"]: r for r in d["summary"]}
-  assert s["f32"]["top1_agreement"] == 1.0 and s["f32"]["kl_mean"] == 0.0
+  assert s["f32"]["top1_agreement"] == 1.0 and s["f32"]["kl_max"] < 1e-4
+  assert s["q4_0"]["kl_mean"] > 100 * s["f32"]["kl_mean"]
   assert 0 < s["q4_0"]["kl_mean"] and s["q4_0"]["top1_agreement"] < 1.0
   assert s["q4_0"]["kv_bytes_per_token"] < s["f32"]["kv_bytes_per_token"] / 5
   assert len(d["attempts"]) == 3 * 2 * 2  # variants x concurrencies x tasks

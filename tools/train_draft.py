@@ -49,7 +49,10 @@ def _batch_inputs(B, T, page_size=16):
 def distill_loss(params, teacher_logp, tokens, meta, pool, cfg, attn_shape):
   from jaxinfer.model import transformer
   batch = dict(meta, token_ids=tokens)
-  x, _, _ = transformer.hidden_states(params, pool, batch, cfg, attn_shape=attn_shape)
+  # The reference attention: differentiable (the xla backend's page-block loop has a
+  # data-dependent trip count, which reverse mode cannot go through).
+  x, _, _ = transformer.hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
+                                      backend="reference")
   logp = jax.nn.log_softmax(transformer.lm_head(params, x), axis=-1)  # [B*T, V]
   return jnp.mean(jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logp), axis=-1))
 

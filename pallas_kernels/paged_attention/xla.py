@@ -21,7 +21,9 @@ x86 machine (per-op profile in the README's performance section):
   "fill" mode adds a select to every element).
 
 Masked keys are dropped from the softmax and their V rows zeroed, so stale pages that
-hold NaN never contribute (tested with NaN-poisoned pools like the other two).
+hold NaN never contribute (tested with NaN-poisoned pools like the other two). The block
+loops have data-dependent trip counts: forward mode only (training differentiates through
+`reference.py`).
 """
 from __future__ import annotations
 
