@@ -248,7 +248,7 @@ def print_table(res):
     print(f"{'strategy':>10} {'shapes':>6} {'cold s':>7} {'cached s':>8} {'exe MiB':>8} "
           f"{'pad tok':>8} "
           f"{'step p50':>9} {'step p99':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8}")
+          f"{'ITL p99':>8} {'tok/s':>6}")
     for r in res["real"]:
       u = r["run"]
       print(f"{r['strategy']:>10} {r['num_shapes']:>6} {r['warmup_cold_s']:>7.1f} "
@@ -256,10 +256,12 @@ def print_table(res):
             f"{100 * r['padded_token_frac']:>7.1f}% "
             f"{u['step']['p50_ms']:>9.1f} {u['step']['p99_ms']:>9.1f} "
             f"{u['ttft']['p50_ms']:>9.0f} {u['ttft']['p99_ms']:>9.0f} "
-            f"{u['itl']['p50_ms']:>8.1f} {u['itl']['p99_ms']:>8.1f}")
+            f"{u['itl']['p50_ms']:>8.1f} {u['itl']['p99_ms']:>8.1f} "
+            f"{u['throughput_tok_s']:>6.1f}")
   print("\nsimulated (cost model); warm = every shape compiled ahead, cold = a compile "
         "charged at each shape's first use")
-  print(f"{'trace':>8} {'target':>31} {'strategy':>10} {'shapes':>6} {'pad tok':>8} {'step p50':>9} "
+  print(f"{'trace':>8} {'target':>31} {'strategy':>10} {'shapes':>6} {'pad tok':>8} "
+        f"{'step p50':>9} "
         f"{'step p99':>9} {'TTFT p99':>9} {'ITL p99':>8} {'cold TTFT p99':>13} "
         f"{'cold ITL p99':>12}")
   for r in res["sim"]:

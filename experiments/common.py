@@ -66,5 +66,5 @@ def few_buckets(step_tokens: int, chunk: int, max_running: int, max_len: int,
     t = min(2 * t, step_tokens)
     sizes.append(t)
   return BucketTable(token_sizes=tuple(sizes), request_sizes=(R,),
-                     page_sizes=(-(-max_len // 16),), query_sizes=(min(chunk, sizes[-1]),),
+                     page_table_sizes=(-(-max_len // 16),), query_sizes=(min(chunk, sizes[-1]),),
                      prefill_slot_sizes=tuple(prefill_slots or ()))

@@ -51,7 +51,7 @@ def table_for(strategy: str, max_tokens: int, max_requests: int, max_pages: int,
   lo = 1 if strategy == "exact" else min(16, max_tokens)
   req = ladder(strategy, 1, max_requests, n)
   return BucketTable(token_sizes=ladder(strategy, lo, max_tokens, n), request_sizes=req,
-                     page_sizes=(max_pages,), prefill_slot_sizes=req)
+                     page_table_sizes=(max_pages,), prefill_slot_sizes=req)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +217,7 @@ def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
     if (tok, req, pre, qry) in seen:  # fewer distinct values than k: same sizes again
       continue
     seen.add((tok, req, pre, qry))
-    table = BucketTable(token_sizes=tok, request_sizes=req, page_sizes=(max_pages,),
+    table = BucketTable(token_sizes=tok, request_sizes=req, page_table_sizes=(max_pages,),
                         query_sizes=qry, prefill_slot_sizes=pre)
     count = num_shapes(table)
     tried += 1
@@ -229,7 +229,7 @@ def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
       best = (key, table, count, pad)
   if best is None:
     smallest = BucketTable(token_sizes=(max_tokens,), request_sizes=(max_requests,),
-                           page_sizes=(max_pages,), query_sizes=(1, max_tokens),
+                           page_table_sizes=(max_pages,), query_sizes=(1, max_tokens),
                            prefill_slot_sizes=(max_requests,))
     raise ValueError(f"no table of at most {max_shapes} shapes was found for these steps "
                      f"(one size per axis needs {num_shapes(smallest)}); raise max_shapes")

@@ -42,7 +42,8 @@ def geometric(lo: int, hi: int, ratio: int) -> Tuple[int, ...]:
   return tuple(sorted(set(out)))
 
 
-_FIELDS = ("token_sizes", "request_sizes", "page_sizes", "query_sizes", "prefill_slot_sizes")
+_FIELDS = ("token_sizes", "request_sizes", "page_table_sizes", "query_sizes",
+           "prefill_slot_sizes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,8 @@ class Bucket:
 class BucketTable:
   token_sizes: Tuple[int, ...]
   request_sizes: Tuple[int, ...]
-  page_sizes: Tuple[int, ...]  # pages per request
+  page_table_sizes: Tuple[int, ...]  # page-table widths: pages per request (page_size is
+  # tokens per page everywhere else)
   query_sizes: Tuple[int, ...] = ()  # default: (1,) + token sizes
   prefill_slot_sizes: Tuple[int, ...] = ()  # default: powers of two up to max requests
 
@@ -95,7 +97,7 @@ class BucketTable:
     sizes; one page tier (max_pages). 256 x 64 x any pages: 55 shapes."""
     req = geometric(1, max_requests, ratio)
     return cls(token_sizes=geometric(min_tokens, max_tokens, ratio), request_sizes=req,
-               page_sizes=(max_pages,), prefill_slot_sizes=req)
+               page_table_sizes=(max_pages,), prefill_slot_sizes=req)
 
   def to_json(self) -> dict:
     return {name: list(getattr(self, name)) for name in _FIELDS}
@@ -139,7 +141,7 @@ class BucketTable:
 
   @property
   def max_pages(self) -> int:
-    return self.page_sizes[-1]
+    return self.page_table_sizes[-1]
 
   def select(self, num_tokens: int, num_decode: int, max_pages: int,
              max_query_len: int = 1, num_prefill: int = 0, num_logits: int = 0) -> Bucket:
@@ -158,7 +160,7 @@ class BucketTable:
       Q, Rp = 1, 0
     R = self._pick(self.request_sizes, num_decode + Rp, "requests per step")
     return Bucket(num_tokens=T, num_requests=R,
-                  pages_per_request=self._pick(self.page_sizes, max(max_pages, 1),
+                  pages_per_request=self._pick(self.page_table_sizes, max(max_pages, 1),
                                                "pages per request"),
                   max_query_len=Q, num_logits=R if num_logits <= R else T, prefill_slots=Rp)
 
@@ -184,7 +186,7 @@ class BucketTable:
     q_ranges = [(max(lo + 1, 2), min(hi, maxT)) for lo, hi in
                 zip((0,) + self.query_sizes[:-1], self.query_sizes)]
     q_ranges = [(lo, hi) for lo, hi in q_ranges if lo <= hi]
-    for P in self.page_sizes:
+    for P in self.page_table_sizes:
       for d in range(1, min(maxR, maxT) + 1):  # decode-only steps: n = d
         add(self.select(d, d, P))
       for p in range(1, maxR + 1):

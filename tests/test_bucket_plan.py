@@ -1,5 +1,5 @@
-"""Bucket strategies and the trace-fitted table (jaxinfer/bucket_plan.py, tools/bucket_plan.py),
-and the simulator's padding / compile charges."""
+"""Bucket strategies and the trace-fitted table (jaxinfer/bucket_plan.py and
+tools/bucket_plan.py), and the simulator's padding / compile charges."""
 import itertools
 import json
 import subprocess
@@ -127,7 +127,7 @@ def test_bucket_plan_tool_writes_a_table_the_engine_reads(tmp_path):
   assert table.max_tokens == 64 and table.max_requests == 8 and table.max_pages == 128
   assert "fitted" in r.stdout and "pow4" in r.stdout
   bad = tmp_path / "bad.json"
-  bad.write_text('{"token_sizes": [16], "request_sizes": [4], "page_sizes": [8], "tiers": 2}')
+  bad.write_text('{"token_sizes": [16], "request_sizes": [4], "page_table_sizes": [8], "tiers": 2}')
   r = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", f"--buckets={bad}"],
                      cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "unknown bucket table fields ['tiers']" in r.stderr

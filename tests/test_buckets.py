@@ -25,21 +25,21 @@ def _reachable(t, pages=(1,)):
 
 
 @pytest.mark.parametrize("table", [
-    BucketTable(token_sizes=(4, 8, 32), request_sizes=(2, 6), page_sizes=(4, 16)),
-    BucketTable(token_sizes=(8, 32), request_sizes=(1, 4, 8), page_sizes=(4,),
+    BucketTable(token_sizes=(4, 8, 32), request_sizes=(2, 6), page_table_sizes=(4, 16)),
+    BucketTable(token_sizes=(8, 32), request_sizes=(1, 4, 8), page_table_sizes=(4,),
                 query_sizes=(1, 4, 32), prefill_slot_sizes=(1, 8)),
-    BucketTable(token_sizes=(16, 24), request_sizes=(16,), page_sizes=(2,),
+    BucketTable(token_sizes=(16, 24), request_sizes=(16,), page_table_sizes=(2,),
                 query_sizes=(24,), prefill_slot_sizes=(1, 2, 16))])
 def test_all_buckets_is_exactly_what_select_can_return(table):
   """Warm-up compiles every shape a step can run at (a miss compiles mid-run) and none that
   no step can (each costs a compile, ~1.5 s here)."""
   warm = list(table.all_buckets())
   assert len(warm) == len(set(warm))
-  assert set(warm) == _reachable(table, table.page_sizes)
+  assert set(warm) == _reachable(table, table.page_table_sizes)
 
 
 def test_select_pads_up():
-  t = BucketTable(token_sizes=(4, 16, 64), request_sizes=(2, 8), page_sizes=(4, 16))
+  t = BucketTable(token_sizes=(4, 16, 64), request_sizes=(2, 8), page_table_sizes=(4, 16))
   for n_tok, n_dec, n_pre, pages, q in itertools.product(range(1, 65, 7), range(0, 7), (0, 1, 2),
                                                          (1, 5, 16), (2, 3, 16)):
     if n_dec + n_pre == 0 or n_dec + n_pre * q > n_tok:
@@ -60,7 +60,7 @@ def test_select_pads_up():
 
 
 def test_verify_shapes_add_logits_at_every_token():
-  t = BucketTable(token_sizes=(8, 32), request_sizes=(4,), page_sizes=(4,))
+  t = BucketTable(token_sizes=(8, 32), request_sizes=(4,), page_table_sizes=(4,))
   plain, ver = set(t.all_buckets()), set(t.all_buckets(verify=True))
   assert plain < ver
   for b in ver - plain:
@@ -70,7 +70,7 @@ def test_verify_shapes_add_logits_at_every_token():
 
 
 def test_pack_is_padded_and_never_truncates():
-  t = BucketTable(token_sizes=(8,), request_sizes=(2,), page_sizes=(2,))
+  t = BucketTable(token_sizes=(8,), request_sizes=(2,), page_table_sizes=(2,))
   step = pack([SeqWork([1, 2, 3], 0, [5]), SeqWork([9], 6, [6, 7])], t, page_size=4, num_pages=10)
   a = step.arrays
   assert step.padding_tokens == 4 and a["token_ids"].shape == (8,)

@@ -12,7 +12,7 @@ from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
 from jaxinfer.step import model_step
 
-TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_sizes=(8,))
+TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
 
 
 def make(smollm2, num_pages=64, page_size=8, **cfg_kw):
@@ -127,7 +127,7 @@ def test_warm_speculative_engine_with_prefix_hits_and_host_tier_never_recompiles
   from jaxinfer import step as step_mod
   from jaxinfer.executors.drafters import make_drafter
   from jaxinfer.runtime import speculative
-  table = BucketTable(token_sizes=(8, 16), request_sizes=(2,), page_sizes=(8,))
+  table = BucketTable(token_sizes=(8, 16), request_sizes=(2,), page_table_sizes=(8,))
   ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=12, page_size=8)
   eng = Engine(ex, SchedulerConfig("chunked", 2, 16, 8), buckets=table, prefix_cache=True,
                host_cache_pages=8, drafter=make_drafter("early_exit", early_exit_layers=10),

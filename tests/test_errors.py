@@ -171,7 +171,7 @@ def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
 
 def test_lone_surrogate_prompt_is_a_clear_error(smollm2):
   from jaxinfer.llm import LLM
-  table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_sizes=(4,))
+  table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_table_sizes=(4,))
   llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table)
   with pytest.raises(ValueError, match="not valid Unicode"):
     llm.generate(["caf\udce9"], SamplingParams(max_tokens=2))

@@ -119,7 +119,7 @@ def test_interrupt_between_launch_and_finish_leaves_the_engine_empty(smollm2):
   """Ctrl-C inside LLM.generate, landing after a step was launched and before it was
   finished: its requests are aborted, no step stays in flight, every page is free, and
   the next generate gives the same tokens as an undisturbed one."""
-  table = BucketTable(token_sizes=(8,), request_sizes=(2,), page_sizes=(4,))
+  table = BucketTable(token_sizes=(8,), request_sizes=(2,), page_table_sizes=(4,))
   llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table)
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   prompts = ["The capital of France is", "One, two,"]

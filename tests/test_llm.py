@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "List three primary colors:",
 def llm(smollm2):
   return LLM.from_loaded(smollm2, warmup=False, num_pages=64,
                          buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
-                                             page_sizes=(8,)))
+                                             page_table_sizes=(8,)))
 
 
 def test_batched_chunked_generate_equals_recompute(llm, smollm2):
@@ -71,7 +71,7 @@ def test_seeded_sampling_is_reproducible(llm):
 def test_kv_pool_too_small_is_an_error(smollm2):
   small = LLM.from_loaded(smollm2, warmup=False, num_pages=2, page_size=4,
                           buckets=BucketTable(token_sizes=(8,), request_sizes=(1,),
-                                              page_sizes=(64,)))
+                                              page_table_sizes=(64,)))
   with pytest.raises(RequestTooLargeError, match="pool has only 2 pages of 4 tokens"):
     small.generate(["The capital of France is"], SamplingParams(max_tokens=8))
 
@@ -79,7 +79,7 @@ def test_kv_pool_too_small_is_an_error(smollm2):
 @pytest.mark.slow
 def test_backends_greedy_equal_reference(smollm2):
   """--attention=pallas (interpret mode on CPU) and xla give the reference's greedy tokens."""
-  table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_sizes=(4,))
+  table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_table_sizes=(4,))
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   outs = {}
   for backend in ("reference", "pallas", "xla"):
@@ -93,7 +93,7 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   """8.4.3: every 3rd layer's FFN streamed from host memory, 1 or 2 prefetch buffers:
   the same greedy tokens, and the copies are counted every step."""
   from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
-  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_sizes=(8,))
+  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
   sp = SamplingParams(max_tokens=5, ignore_eos=True)
   plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table).generate(PROMPTS[:2], sp)
   off = OffloadConfig.every_kth(smollm2.cfg.num_layers, 3, buffers)
@@ -114,7 +114,7 @@ def test_q_precision_reaches_attention(smollm2):
   """8.4.4's storage-vs-compute split is plumbed to the attention: rounding Q through
   q4_0 changes the logprobs against the same q4_0 pool; against an f32 pool it is a
   no-op; an unknown precision is a clear error."""
-  table = BucketTable(token_sizes=(16,), request_sizes=(1,), page_sizes=(4,))
+  table = BucketTable(token_sizes=(16,), request_sizes=(1,), page_table_sizes=(4,))
   sp = SamplingParams(max_tokens=3, ignore_eos=True)
   lps = {}
   for fmt in ("f32", "q4_0"):

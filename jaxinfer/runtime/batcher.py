@@ -143,6 +143,6 @@ def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,
   pages = max([pages_per_request] + [-(-(w.cached_len + n) // page_size)
                                      for w, n in zip(works, lens)])
   table = BucketTable(token_sizes=(sum(lens),), request_sizes=(len(works),),
-                      page_sizes=(pages,), query_sizes=(max(lens),),
+                      page_table_sizes=(pages,), query_sizes=(max(lens),),
                       prefill_slot_sizes=(max(n_pre, 1),))
   return pack(works, table, page_size, num_pages)
