@@ -95,7 +95,8 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
   table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
   sp = SamplingParams(max_tokens=5, ignore_eos=True)
-  plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table).generate(PROMPTS[:2], sp)
+  plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64,
+                          buckets=table).generate(PROMPTS[:2], sp)
   off = OffloadConfig.every_kth(smollm2.cfg.num_layers, 3, buffers)
   llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table, offload=off)
   outs = llm.generate(PROMPTS[:2], sp)
@@ -119,7 +120,8 @@ def test_q_precision_reaches_attention(smollm2):
   lps = {}
   for fmt in ("f32", "q4_0"):
     for qp in ("native", "kv"):
-      llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, kv_format=fmt, q_precision=qp)
+      llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, kv_format=fmt,
+                            q_precision=qp)
       lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
   assert lps["f32", "native"] == lps["f32", "kv"]
   assert lps["q4_0", "native"] != lps["q4_0", "kv"]

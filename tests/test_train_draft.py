@@ -34,6 +34,6 @@ def test_distill_save_load_and_draft(smollm2, tmp_path):
   sp = SamplingParams(max_tokens=8, ignore_eos=True)
   prompt = "The sun rises in the east and sets in the"
   plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64).generate([prompt], sp)[0].token_ids
-  spec = LLM.from_loaded(smollm2, warmup=False, num_pages=64, speculative="draft_model", draft_model=draft,
-                         num_draft=3).generate([prompt], sp)[0]
+  spec = LLM.from_loaded(smollm2, warmup=False, num_pages=64, speculative="draft_model",
+                         draft_model=draft, num_draft=3).generate([prompt], sp)[0]
   assert spec.token_ids == plain and spec.rounds > 0

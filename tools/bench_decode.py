@@ -165,7 +165,8 @@ def main(argv):
       ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
       t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
       del ex
-      pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t, "gflop_s": flops / t / 1e9,
+      pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t,
+                  "gflop_s": flops / t / 1e9,
                   "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
                   "compute_floor_ms": 1e3 * flops / rate(n, 1),
                   "hf_ms": None if th is None else 1e3 * th,

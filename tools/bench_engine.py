@@ -40,7 +40,8 @@ def run(llm_model, policy, reqs):
   cfg = (SchedulerConfig("chunked", FLAGS.max_running, FLAGS.token_budget, FLAGS.token_budget)
          if policy == "chunked" else SchedulerConfig(policy, FLAGS.max_running, big, big))
   buckets = BucketTable.default(max_tokens=4096, max_requests=FLAGS.max_running, max_pages=32)
-  llm = LLM(llm_model, warmup=False, num_pages=FLAGS.max_running * 32 + 8, buckets=buckets, scheduler=cfg)
+  llm = LLM(llm_model, warmup=False, num_pages=FLAGS.max_running * 32 + 8, buckets=buckets,
+            scheduler=cfg)
   eng = llm.engine
   for ids, n in reqs:
     eng.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=eng.now())
