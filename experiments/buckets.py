@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import itertools
+import shutil
 import tempfile
 import time
 
@@ -194,7 +195,10 @@ def run_study(c, output_dir):
   os.environ["JAXINFER_XLA_CACHE"] = cache
   trace = bp.load_trace(os.path.join(ROOT, c.trace))
   res = {"config": c.to_dict(), "trace_requests": len(trace)}
-  res["real"] = real(c, trace) if c.real else []
+  try:
+    res["real"] = real(c, trace) if c.real else []
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)  # the study's executables are not reused
   measured = [r["compile_s_per_shape"] for r in res["real"]]
   compile_s = float(np.median(measured)) if measured else c.sim_compile_s
   res["sim_compile_s"] = compile_s
