@@ -87,13 +87,8 @@ def jax_engine(model, pool_tokens: int, host_pages: int):
   from jaxinfer.llm import LLM
   llm = LLM(model, warmup=False, num_pages=pool_tokens // 16,
             buckets=BucketTable.default(max_tokens=256, max_requests=4, max_pages=128),
-            prefix_cache=True)
-  eng = llm.engine
-  if host_pages:
-    from jaxinfer.runtime.prefix_cache import PrefixCache
-    eng.cache = PrefixCache(eng.pm, host_pages=host_pages)
-    eng.scheduler.cache = eng.cache
-  return eng
+            prefix_cache=True, host_cache_pages=host_pages)
+  return llm.engine
 
 
 def summarize_run(engine, records):

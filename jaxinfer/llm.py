@@ -74,7 +74,8 @@ class LLM:
                early_exit_layers: Optional[int] = None, draft_model=None, offload=None,
                q_precision: str = "native", policy: str = "chunked",
                max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-               deadline_admission: bool = False, warmup: bool = True):
+               deadline_admission: bool = False, warmup: bool = True,
+               cache_eviction: str = "lru", host_cache_pages: int = 0):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -86,6 +87,9 @@ class LLM:
     offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
     it saves net of the prefetch buffers is given to the KV pool, so admission (which
     reserves pages) admits more requests;
+    cache_eviction / host_cache_pages: the prefix cache's eviction policy ("lru" or
+    "value", 8.3.4) and the pages of its host-memory tier (evicted prefixes move there and
+    come back on a hit instead of being recomputed; 0 = none);
     buckets: a BucketTable or the path of one as JSON (tools/bucket_plan.py writes them);
     default: BucketTable.default (about 55 shapes);
     warmup: compile every shape of the table now, with a progress bar (8.2.4: no request
@@ -93,6 +97,11 @@ class LLM:
     mostly reload them). `warmup_s` holds the seconds spent."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
+    if cache_eviction not in ("lru", "value"):
+      raise ValueError(f"cache_eviction must be 'lru' or 'value', got {cache_eviction!r}")
+    if isinstance(host_cache_pages, bool) or not isinstance(host_cache_pages, int) or \
+        host_cache_pages < 0:
+      raise ValueError(f"host_cache_pages must be an integer >= 0, got {host_cache_pages!r}")
     for name, v in (("page_size", page_size), ("num_pages", num_pages),
                     ("num_draft", num_draft), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_num_seqs", max_num_seqs)):  # checked before the (slow) model load
@@ -143,7 +152,8 @@ class LLM:
                            draft_model=draft_model, draft_pages=num_pages)
     self.engine = Engine(self.executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
                          eos_token_ids=eos, max_model_len=self.max_model_len,
-                         prefix_cache=prefix_cache, drafter=drafter,
+                         prefix_cache=prefix_cache, cache_eviction=cache_eviction,
+                         host_cache_pages=host_cache_pages, drafter=drafter,
                          draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
     self.warmup_s = self.engine.warmup(progress=True) if warmup else 0.0
 

@@ -164,8 +164,11 @@ def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
   assert not eng.requests and not eng.scheduler.has_work()
   for kw, words in [(dict(page_size=0), "page_size must be an integer >= 1, got 0"),
                     (dict(num_pages=-3), "num_pages must be"),
-                    (dict(max_model_len=1), "max_model_len must be")]:
-    with pytest.raises(ValueError, match=words):
+                    (dict(max_model_len=1), "max_model_len must be"),
+                    (dict(cache_eviction="fifo"), "cache_eviction must be 'lru' or 'value'"),
+                    (dict(host_cache_pages=-1), "host_cache_pages must be an integer >= 0"),
+                    (dict(buckets="/no/such/table.json"), "No such file")]:
+    with pytest.raises((ValueError, OSError), match=words):
       LLM("no-such-model-is-loaded", warmup=False, **kw)  # fails before any load is tried
 
 
