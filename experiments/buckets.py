@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from experiments.common import ROOT, Progress, run_binary, write_json
+from jaxinfer.runtime.accounting import pages_for
 
 
 def _tables(c, shapes, max_tokens, max_seqs, max_pages, cost):
@@ -82,7 +83,7 @@ def simulate(c, compile_s):
   for (trace_name, T, R), target in itertools.product(c.sim_traces, c.sim_targets):
     trace = sim_trace(c, trace_name)
     longest = max(r["prompt_tokens"] + r["output_tokens"] for r in trace)
-    P = -(-longest // 16)
+    P = pages_for(longest, 16)
     shapes = bp.trace_step_shapes(trace, T, R)
     cost = bp.roofline_cost(target)  # fitted to this target's step time
     tables = _tables(c, shapes, T, R, P, cost)
@@ -143,7 +144,7 @@ def real(c, trace):
                output_tokens=min(r["output_tokens"], c.real_max_output))
           for r in trace[:c.real_requests]]
   shapes = bp.trace_step_shapes(reqs, T, R)
-  P = -(-L // 16)
+  P = pages_for(L, 16)
   loaded = load_model("smollm2-135m-instruct")
   rng = np.random.default_rng(0)
   prompts = [rng.integers(100, 20000, r["prompt_tokens"]).tolist() for r in reqs]

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.buckets import Bucket, BucketTable, geometric
+from jaxinfer.runtime.accounting import pages_for
 
 STRATEGIES = ("pow2", "pow4", "linear", "exact", "fitted")
 
@@ -259,6 +260,9 @@ def load_trace(path: str) -> List[dict]:
       if not line.strip():
         continue
       r = json.loads(line)
+      if not isinstance(r, dict):
+        raise ValueError(f"{path}:{i}: each line must be a JSON object, got "
+                         f"{type(r).__name__}")
       for k in ("prompt_tokens", "output_tokens"):
         v = r.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -283,7 +287,7 @@ def trace_step_shapes(trace: Sequence[dict], max_tokens: int, max_requests: int,
   from jaxinfer.runtime.engine import Engine
   from jaxinfer.runtime.scheduler import SchedulerConfig
   longest = max(r["prompt_tokens"] + r["output_tokens"] for r in trace)
-  pages = -(-longest // page_size)
+  pages = pages_for(longest, page_size)
   table = table_for("exact", max_tokens, max_requests, pages)
   ex = SimExecutor(step_model or AffineStepModel(), num_pages=pages * max_requests + 16,
                    page_size=page_size, token_id=1)

@@ -25,10 +25,6 @@ class BucketError(ValueError):
   """A step needs a shape larger than the largest bucket."""
 
 
-def _pow2_upto(lo: int, hi: int) -> Tuple[int, ...]:
-  return geometric(lo, hi, 2)
-
-
 def geometric(lo: int, hi: int, ratio: int) -> Tuple[int, ...]:
   """lo, lo*ratio, lo*ratio^2, ... below hi, then hi (the largest size is always hi)."""
   if not (isinstance(ratio, int) and ratio >= 2):
@@ -71,10 +67,10 @@ class BucketTable:
 
   def __post_init__(self):
     if not self.prefill_slot_sizes:
-      object.__setattr__(self, "prefill_slot_sizes", _pow2_upto(1, max(self.request_sizes)))
+      object.__setattr__(self, "prefill_slot_sizes", geometric(1, max(self.request_sizes), 2))
     for name in _FIELDS:
       raw = getattr(self, name)
-      if isinstance(raw, (str, bytes)) or not all(
+      if not isinstance(raw, (tuple, list)) or not all(
           isinstance(x, int) and not isinstance(x, bool) for x in raw):
         raise ValueError(f"{name} must be a list of integers, got {raw!r}")
       v = tuple(sorted(set(raw)))
@@ -109,7 +105,8 @@ class BucketTable:
     if isinstance(src, str):
       with open(src) as f:
         src = json.load(f)
-      src = src.get("table", src)  # a planner report holds the table under "table"
+      if isinstance(src, dict) and "table" in src:  # a planner report holds it there
+        src = src["table"]
     if not isinstance(src, dict):
       raise ValueError(f"a bucket table must be a JSON object, got {type(src).__name__}")
     unknown = sorted(set(src) - set(_FIELDS))

@@ -93,6 +93,8 @@ def _usage_error(msg: str):
 
 
 def _check_engine_flags():
+  """Usage errors before anything loads; returns the --buckets table (parsed once) or
+  None."""
   if FLAGS.speculative == "draft_model" and not FLAGS.draft_model:
     _usage_error("--speculative=draft_model needs --draft_model=NAME|PATH")
   for name in ("page_size", "num_pages", "num_draft", "max_num_batched_tokens", "max_num_seqs"):
@@ -100,15 +102,16 @@ def _check_engine_flags():
       _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.max_model_len < 0 or FLAGS.max_model_len == 1:
     _usage_error(f"--max_model_len must be 0 (the model's) or >= 2, got {FLAGS.max_model_len}")
-  if FLAGS.buckets:
-    from jaxinfer.buckets import BucketTable
-    try:
-      BucketTable.from_json(FLAGS.buckets)
-    except (OSError, ValueError, TypeError) as e:
-      _usage_error(f"--buckets={FLAGS.buckets}: {e}")
+  if not FLAGS.buckets:
+    return None
+  from jaxinfer.buckets import BucketTable
+  try:
+    return BucketTable.from_json(FLAGS.buckets)
+  except (OSError, ValueError) as e:
+    _usage_error(f"--buckets={FLAGS.buckets}: {e}")
 
 
-def _make_llm(max_num_seqs=None):
+def _make_llm(buckets, max_num_seqs=None):
   from jaxinfer.llm import LLM
   return LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format,
              page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, attention=FLAGS.attention,
@@ -120,21 +123,18 @@ def _make_llm(max_num_seqs=None):
              policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
              max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
              deadline_admission=FLAGS.deadline_admission,
-             buckets=FLAGS.buckets, warmup=FLAGS.warmup)
+             buckets=buckets, warmup=FLAGS.warmup)
 
 
 def _serve():
   from jaxinfer.serving.server import serve
-  _check_engine_flags()
+  buckets = _check_engine_flags()
   if not 0 <= FLAGS.port < 65536:
     _usage_error(f"--port must be in [0, 65535], got {FLAGS.port}")
   if FLAGS.max_queue < 1 or FLAGS.default_max_tokens < 1 or FLAGS.deadline_s < 0:
     _usage_error("--max_queue and --default_max_tokens must be >= 1, --deadline_s >= 0")
   t0 = time.perf_counter()
-  llm = _make_llm()
-  if FLAGS.warmup:
-    print(f"[jaxinfer] compiled {len(list(llm.buckets.all_buckets()))} bucket shapes in "
-          f"{llm.warmup_s:.1f}s", file=sys.stderr)
+  llm = _make_llm(buckets)  # warm-up (on by default) logs its shape count and seconds
   print(f"[jaxinfer] {llm.cfg.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   serve(llm, model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
         port=FLAGS.port, api_key=FLAGS.api_key, max_queue=FLAGS.max_queue,
@@ -144,7 +144,7 @@ def _serve():
 def _generate():
   prompts = FLAGS.prompt or ["Tell me a short fact about the Moon."]
   t0 = time.perf_counter()
-  _check_engine_flags()
+  buckets = _check_engine_flags()
   if FLAGS.system is not None and not FLAGS.chat:
     _usage_error("--system needs --chat (it is a chat message)")
   for i, p in enumerate(prompts):
@@ -158,8 +158,8 @@ def _generate():
     _usage_error("--stream prints one answer as it is produced: give one --prompt")
   # A batch never runs more requests than it has prompts: the table (and its warm-up)
   # need no larger request buckets unless --max_num_seqs says otherwise.
-  llm = _make_llm(None if FLAGS["max_num_seqs"].present else min(len(prompts),
-                                                                 FLAGS.max_num_seqs))
+  llm = _make_llm(buckets, None if FLAGS["max_num_seqs"].present else min(
+      len(prompts), FLAGS.max_num_seqs))
   t_load = time.perf_counter() - t0
   load = (f"load {t_load - llm.warmup_s:.1f}s + warm-up {llm.warmup_s:.1f}s"
           if FLAGS.warmup else f"load {t_load:.1f}s")

@@ -79,6 +79,25 @@ def test_trace_validation(tmp_path):
   bad.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 0}\n')
   with pytest.raises(ValueError, match="output_tokens must be an integer >= 1, got 0"):
     bp.load_trace(str(bad))
+  bad.write_text('[5, 3]\n')
+  with pytest.raises(ValueError, match="each line must be a JSON object, got list"):
+    bp.load_trace(str(bad))
+
+
+def test_bucket_table_json_is_validated(tmp_path):
+  f = tmp_path / "t.json"
+  for text, words in [("[16, 4]", "must be a JSON object, got list"),
+                      ('{"token_sizes": 16, "request_sizes": [4], "page_table_sizes": [8]}',
+                       "token_sizes must be a list of integers, got 16"),
+                      ('{"token_sizes": [16], "request_sizes": [4]}', "misses"),
+                      ('{"table": {"token_sizes": [16], "request_sizes": [4], '
+                       '"page_table_sizes": [0]}}', "page_table_sizes must be positive")]:
+    f.write_text(text)
+    with pytest.raises(ValueError, match=words):
+      BucketTable.from_json(str(f))
+  t = BucketTable.default(64, 4, 8)
+  f.write_text(json.dumps({"table": t.to_json(), "steps": 3}))
+  assert BucketTable.from_json(str(f)) == t
 
 
 def test_simulator_charges_padding_and_first_use_compiles(chat_shapes):

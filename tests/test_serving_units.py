@@ -78,11 +78,19 @@ class _GatedSim(SimExecutor):
     return super().execute(step, plan)
 
 
-def test_queue_limit_and_shutdown_on_the_engine_thread():
+def _gated_service(max_queue, free_steps=None):
+  """A continuous-batching engine of 2 slots on the gated simulator, served by an
+  EngineService thread (started)."""
   ex = _GatedSim()
+  if free_steps is not None:
+    ex.free_steps = free_steps
   eng = Engine(ex, SchedulerConfig(policy="continuous", max_running=2),
                buckets=BucketTable.default(max_tokens=32, max_requests=2, max_pages=16))
-  svc = EngineService(eng, max_queue=2).start()
+  return ex, eng, EngineService(eng, max_queue=max_queue).start()
+
+
+def test_queue_limit_and_shutdown_on_the_engine_thread():
+  ex, eng, svc = _gated_service(max_queue=2)
   done = {}
   finished = threading.Event()
 
@@ -122,11 +130,7 @@ def test_queue_limit_and_shutdown_on_the_engine_thread():
 def test_a_dead_engine_loop_answers_every_request_it_holds():
   """If the loop itself dies, the running request and the one still in the command queue
   both get an error update (neither client waits forever), and new submits are refused."""
-  ex = _GatedSim()
-  ex.free_steps = 0
-  eng = Engine(ex, SchedulerConfig(policy="continuous", max_running=2),
-               buckets=BucketTable.default(max_tokens=32, max_requests=2, max_pages=16))
-  svc = EngineService(eng, max_queue=4).start()
+  ex, eng, svc = _gated_service(max_queue=4, free_steps=0)
   got = {}
   both = threading.Event()
 

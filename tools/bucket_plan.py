@@ -37,6 +37,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   from jaxinfer import bucket_plan as bp
   from jaxinfer import strict_json
+  from jaxinfer.runtime.accounting import pages_for
   for name in ("max_shapes", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                "page_size", "max_sizes"):
     if getattr(FLAGS, name) < 1:
@@ -46,7 +47,7 @@ def main(argv):
   except (OSError, ValueError) as e:
     raise app.UsageError(f"--trace={FLAGS.trace}: {e}")
   T, R = FLAGS.max_num_batched_tokens, FLAGS.max_num_seqs
-  P = -(-FLAGS.max_model_len // FLAGS.page_size)
+  P = pages_for(FLAGS.max_model_len, FLAGS.page_size)
   too_long = [i for i, r in enumerate(trace) if r["prompt_tokens"] + r["output_tokens"] >
               FLAGS.max_model_len]
   if too_long:

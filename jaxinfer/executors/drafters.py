@@ -42,8 +42,8 @@ class EarlyExitDrafter:
     ex = self.engine.executor
     for b in buckets:
       if b.prefill_slots == 0 and b.num_logits == b.num_requests:
-        _, ex.pool = draft_step(ex.params, ex.pool, empty_step_arrays(b, ex.num_pages), cfg=ex.cfg,
-                                attn_shape=b.attn_shape, backend=ex.backend,
+        _, ex.pool = draft_step(ex.params, ex.pool, empty_step_arrays(b, ex.num_pages),
+                                cfg=ex.cfg, attn_shape=b.attn_shape, backend=ex.backend,
                                 num_layers=self.num_layers)
     jax.block_until_ready(ex.pool)
     return time.perf_counter() - t0

@@ -76,8 +76,7 @@ class SimExecutor:
     self.step_model = model
     self.pad_to_buckets = pad_to_buckets
     self.compile_s = compile_s
-    self.compiled = set()
-    self.compiles = 0
+    self.compiled = set()  # bucket shapes run so far
     self.acceptance = acceptance
     self._rng = np.random.default_rng(seed)
     self.num_pages = num_pages
@@ -106,7 +105,6 @@ class SimExecutor:
         seqs += [(1, 0)] * max(b.num_tokens - sum(c for c, _ in seqs), 0)
       if b not in self.compiled:
         self.compiled.add(b)
-        self.compiles += 1
         extra = self.compile_s
     rows = []
     for s in plan.seqs:
@@ -115,6 +113,11 @@ class SimExecutor:
         rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
     packed = np.array(rows, np.float32).reshape(-1, 3)
     return StepResult(packed=packed, duration_s=self.step_model.step_time(seqs) + extra)
+
+  @property
+  def compiles(self) -> int:
+    """First uses of a bucket shape (each charged compile_s)."""
+    return len(self.compiled)
 
   def launch(self, step, plan: StepPlan) -> StepResult:
     return self.execute(step, plan)  # nothing runs asynchronously: the handle is the result

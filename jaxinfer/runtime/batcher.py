@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.buckets import Bucket, BucketTable
+from jaxinfer.runtime.accounting import pages_for
 
 
 @dataclasses.dataclass
@@ -140,7 +141,7 @@ def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,
     raise ValueError("cannot pack an empty step")
   lens = [len(w.token_ids) for w in works]
   n_pre = sum(n > 1 for n in lens)
-  pages = max([pages_per_request] + [-(-(w.cached_len + n) // page_size)
+  pages = max([pages_per_request] + [pages_for(w.cached_len + n, page_size)
                                      for w, n in zip(works, lens)])
   table = BucketTable(token_sizes=(sum(lens),), request_sizes=(len(works),),
                       page_table_sizes=(pages,), query_sizes=(max(lens),),

@@ -19,22 +19,31 @@ from pallas_kernels import kv_codec
 _NEG = -1e30
 
 
+def gather_queries(q, k_new, v_new, query_start, query_len, Q, scale):
+  """Each slot's up to Q new tokens out of the flat arrays, KV-head-major like the pool:
+  (qpos [Q], qvalid [R, Q], scaled q [K, R, Q, G, H], k [K, R, Q, H], v [K, R, Q, H] with
+  rows past query_len zeroed), all float32. Shared with the xla backend."""
+  T, N, H = q.shape
+  K = k_new.shape[1]
+  R = query_start.shape[0]
+  cdt = jnp.float32
+  qpos = jnp.arange(Q, dtype=jnp.int32)
+  qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
+  qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
+  qr = (q[qidx].astype(cdt) * scale).reshape(R, Q, K, N // K, H).transpose(2, 0, 1, 3, 4)
+  kn = k_new[qidx].astype(cdt).transpose(2, 0, 1, 3)  # [K, R, Q, H]
+  vn = jnp.where(qvalid[None, :, :, None], v_new[qidx].astype(cdt).transpose(2, 0, 1, 3), 0.0)
+  return qpos, qvalid, qr, kn, vn
+
+
 def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
             scale):
   """Attention for a group of request slots that each hold up to Q new tokens.
   Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
   T, N, H = q.shape
-  K = k_new.shape[1]
-  G = N // K
   R = page_table.shape[0]
   cdt = jnp.float32
-  # Gather each request's queries and new K/V, KV-head-major like the pool: [K, R, Q, ...].
-  qpos = jnp.arange(Q, dtype=jnp.int32)
-  qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
-  qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
-  qr = (q[qidx].astype(cdt) * scale).reshape(R, Q, K, G, H).transpose(2, 0, 1, 3, 4)
-  kn = k_new[qidx].astype(cdt).transpose(2, 0, 1, 3)  # [K, R, Q, H]
-  vn = jnp.where(qvalid[None, :, :, None], v_new[qidx].astype(cdt).transpose(2, 0, 1, 3), 0.0)
+  qpos, qvalid, qr, kn, vn = gather_queries(q, k_new, v_new, query_start, query_len, Q, scale)
 
   kc, vc = kv_codec.gather_pages(pool, layer, page_table, cdt)  # [K, R, S, H]
   S = kc.shape[2]

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
+from pallas_kernels.paged_attention import reference
 
 _NEG = -1e30
 # Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
@@ -149,18 +150,13 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
   causally, then the cached pages in blocks up to the longest real context.
   Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
   T, N, H = q.shape
-  K = k_new.shape[1]
-  G = N // K
+  G = N // k_new.shape[1]
   R = page_table.shape[0]
   fmt = kv_codec.get_format(kv_codec.pool_format(pool))
   ps = pool["k"].shape[3]
   cdt = jnp.float32
-  qpos = jnp.arange(Q, dtype=jnp.int32)
-  qidx = jnp.clip(query_start[:, None] + qpos[None, :], 0, T - 1)  # [R, Q]
-  qvalid = qpos[None, :] < query_len[:, None]  # [R, Q]
-  qr = (q[qidx].astype(cdt) * scale).reshape(R, Q, K, G, H).transpose(2, 0, 1, 3, 4)
-  kn = k_new[qidx].astype(cdt).transpose(2, 0, 1, 3)  # [K, R, Q, H]
-  vn = jnp.where(qvalid[None, :, :, None], v_new[qidx].astype(cdt).transpose(2, 0, 1, 3), 0.0)
+  qpos, qvalid, qr, kn, vn = reference.gather_queries(q, k_new, v_new, query_start,
+                                                      query_len, Q, scale)
 
   # The slot's own new tokens, causally: they start the online softmax.
   s_n = jnp.einsum("krqgh,krjh->krqgj", qr, kn)  # [K, R, Q, G, Q]
