@@ -6,6 +6,7 @@ is hashable so a config can be a static argument of a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from typing import Optional, Tuple
@@ -139,6 +140,12 @@ class SamplingParams:
   stop_token_ids: Tuple[int, ...] = ()
   stop: Tuple[str, ...] = ()  # stop strings
   ignore_eos: bool = False
+  # Structured output (jaxinfer/structured), at most one: the text must match.
+  json_schema: Optional[str] = None  # a JSON Schema (dict, or its JSON text; kept as text)
+  json_object: bool = False  # any JSON object
+  regex: Optional[str] = None
+  grammar: Optional[str] = None  # a context-free grammar: Lark or llama.cpp GBNF text
+  choice: Optional[Tuple[str, ...]] = None  # exactly one of these strings
 
   def __post_init__(self):
     """Every field checked for type and range before anything uses it; the error names
@@ -165,3 +172,52 @@ class SamplingParams:
         raise ValueError(f"stop strings must be non-empty str, got {x!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
     object.__setattr__(self, "stop", tuple(stop))
+    self._check_constraint()
+
+  def _check_constraint(self) -> None:
+    """Shape and type of the structured-output fields; whether a grammar compiles is
+    checked by the engine (it needs the tokenizer) before the request is queued."""
+    if not isinstance(self.json_object, bool):
+      raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+    s = self.json_schema
+    if s is not None:
+      if isinstance(s, str):
+        try:
+          parsed = json.loads(s)
+        except ValueError as e:
+          raise ValueError(f"json_schema is not valid JSON: {e}") from None
+      else:
+        parsed = s
+      if not isinstance(parsed, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (or true/false), got "
+                         f"{type(parsed).__name__}")
+      if not isinstance(s, str):
+        try:
+          s = json.dumps(s, allow_nan=False)
+        except (TypeError, ValueError) as e:
+          raise ValueError(f"json_schema cannot be written as JSON: {e}") from None
+        object.__setattr__(self, "json_schema", s)
+    for name in ("regex", "grammar"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, str) or not v):
+        raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+    c = self.choice
+    if c is not None:
+      if isinstance(c, (str, bytes)) or not hasattr(c, "__iter__"):
+        raise ValueError(f"choice must be a list of strings, got {c!r}")
+      c = tuple(c)
+      if not c or not all(isinstance(x, str) and x for x in c):
+        raise ValueError(f"choice must be a non-empty list of non-empty strings, got {c!r}")
+      object.__setattr__(self, "choice", c)
+    given = [k for k in ("json_schema", "regex", "grammar", "choice")
+             if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+    if len(given) > 1:
+      raise ValueError(f"at most one structured-output constraint per request, got {given}")
+
+  @property
+  def constraint(self) -> Optional[Tuple[str, object]]:
+    """(kind, spec) of the structured-output constraint, or None."""
+    for k in ("json_schema", "regex", "grammar", "choice"):
+      if getattr(self, k) is not None:
+        return k, getattr(self, k)
+    return ("json_object", None) if self.json_object else None

@@ -84,14 +84,30 @@ def rejection_sample(p, q, draft, key):
   return jnp.where(accepted, draft.astype(jnp.int32), resample), accepted
 
 
-def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids):
+def apply_token_mask(logits, token_mask):
+  """Logits of disallowed tokens -> -inf. token_mask [S, ceil(V/32)] int32: bit t % 32 of
+  word t // 32 is token t (structured output; all ones = unconstrained)."""
+  S, V = logits.shape
+  bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  allowed = bits.reshape(S, -1)[:, :V].astype(bool)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None):
   """Sample every logits row; rows with a draft token (draft_ids >= 0) also verify it.
+
+  token_mask (structured output): tokens outside it are never sampled and a draft
+  outside it is rejected like any mismatch; the returned logprob stays the model's own
+  (unmasked) log-probability of the token, as vLLM's default reports it.
 
   The drafters here draft deterministically (greedy draft model, context lookup), so q
   is a point mass on the draft token and rejection_sample accepts it with probability
   p(x) and otherwise resamples from p without x: exact for any temperature / top-k /
   top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
   the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
+  raw = logits
+  if token_mask is not None:
+    logits = apply_token_mask(logits, token_mask)
   ids, greedy_ids = _sample_ids(logits, temperature, top_k, top_p, seed, counter)
   has = draft_ids >= 0
   d = jnp.where(has, draft_ids, 0)
@@ -109,4 +125,4 @@ def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids):
   tok_s, acc_s = jax.lax.cond(jnp.any(sampled_draft), lossless, lambda _: (ids, greedy_ok), None)
   accepted = has & jnp.where(temperature > 0, acc_s, greedy_ok)
   token = jnp.where(has & (temperature > 0), tok_s, ids)
-  return token, _logprob_of(logits, jnp.where(accepted, d, token)), accepted
+  return token, _logprob_of(raw, jnp.where(accepted, d, token)), accepted

@@ -18,10 +18,12 @@ from jaxinfer.model import transformer
 def sample_packed(logits, inputs):
   """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
   (token id, logprob, draft accepted), the step's one device -> host copy (what
-  `StepResult.packed` holds)."""
+  `StepResult.packed` holds). A step of constrained requests carries `token_mask`
+  (structured output); its presence is part of the traced structure, so a step without
+  one compiles and runs without the masking."""
   ids, lp, accepted = sampling.verify(logits, inputs["temperature"], inputs["top_k"],
                                       inputs["top_p"], inputs["seed"], inputs["counter"],
-                                      inputs["draft_ids"])
+                                      inputs["draft_ids"], inputs.get("token_mask"))
   return jnp.stack([ids.astype(jnp.float32), lp, accepted.astype(jnp.float32)], axis=-1)
 
 

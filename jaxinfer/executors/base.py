@@ -39,7 +39,8 @@ class Executor(Protocol):
   def execute(self, step: StepInput, plan: StepPlan) -> StepResult:
     """collect(launch(step, plan))."""
 
-  def warmup(self, buckets: Sequence[Bucket]) -> float:
-    """Compile the given shapes ahead of time; seconds spent (0 when nothing compiles)."""
+  def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:
+    """Compile the given shapes ahead of time; seconds spent (0 when nothing compiles).
+    masked: the variants that take a structured-output token mask."""
 
   def memory_report(self) -> dict: ...

@@ -127,12 +127,14 @@ class JaxExecutor:
         backend=self.backend, return_logits=True)
     return np.asarray(packed), np.asarray(logits)
 
-  def warmup(self, buckets: Sequence[Bucket]) -> float:
-    """Compile every given bucket ahead of time; returns seconds spent."""
+  def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:
+    """Compile every given bucket ahead of time; returns seconds spent. masked: the
+    variants that take a token mask (steps carrying structured-output requests)."""
     _check_map_budget(len(buckets))
     t0 = time.perf_counter()
+    words = (self.vocab_size + 31) // 32 if masked else 0
     for b in buckets:
-      self.launch(StepInput(empty_step_arrays(b, self.num_pages), b, [], 0))
+      self.launch(StepInput(empty_step_arrays(b, self.num_pages, words), b, [], 0))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
 

@@ -125,7 +125,7 @@ class SimExecutor:
   def collect(self, handle: StepResult) -> StepResult:
     return handle
 
-  def warmup(self, buckets) -> float:
+  def warmup(self, buckets, masked: bool = False) -> float:
     return 0.0  # nothing to compile (compile_s charges a shape at its first use instead)
 
   def memory_report(self) -> dict:

@@ -9,7 +9,7 @@ drops. Imports no JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,29 +52,38 @@ def select_bucket(works: Sequence[SeqWork], table: BucketTable, page_size: int) 
                       num_logits=sum(w.num_logits for w in works))
 
 
-def empty_step_arrays(b: Bucket, num_pages: int) -> Dict[str, np.ndarray]:
+def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0) -> Dict[str, np.ndarray]:
   """The step layout, defined once: every input array of a bucket's shape, holding
   padding (a step of nothing: writes go to page `num_pages`, which the device drops).
   Per token [T]: token_ids, positions, write_page, write_offset; per request slot [R]:
   page_table [R, P], query_start, query_len, cached_len; per logits row [S]: logits_idx,
-  temperature, top_k, top_p, seed, counter, draft_ids (-1: no draft to verify)."""
+  temperature, top_k, top_p, seed, counter, draft_ids (-1: no draft to verify); with
+  mask_words > 0 (a step of constrained requests) also token_mask [S, mask_words], all
+  ones (every token allowed)."""
   T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
   z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-  return dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
+  a = dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
               write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
               cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
               top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
               counter=z(S), draft_ids=np.full(S, -1, np.int32))
+  if mask_words:
+    a["token_mask"] = np.full((S, mask_words), -1, np.int32)
+  return a
 
 
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
-         num_pages: int) -> StepInput:
+         num_pages: int, token_mask: Optional[np.ndarray] = None) -> StepInput:
+  """token_mask: [logits rows, words] packed allowed-token rows in the works' logits-row
+  order (structured output), or None for a step without constraints."""
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
   b = select_bucket(works, table, page_size)
   R = b.num_requests
-  a = empty_step_arrays(b, num_pages)
+  a = empty_step_arrays(b, num_pages, 0 if token_mask is None else token_mask.shape[1])
+  if token_mask is not None:
+    a["token_mask"][:len(token_mask)] = token_mask
   token_ids, positions, write_page, write_offset = (a[k] for k in (
       "token_ids", "positions", "write_page", "write_offset"))
   page_table, query_start, query_len, cached_len = (a[k] for k in (

@@ -40,7 +40,8 @@ class RequestTooLargeError(ValueError):
 @dataclasses.dataclass
 class TokenEvent:
   """One emitted token; a failed request gets one event with token_id -1, finished True,
-  finish_reason "error" (Request.error says why)."""
+  finish_reason "error" (Request.error says why), and so does a request whose
+  structured-output constraint allows no next token (finish_reason "constraint")."""
   request_id: object
   token_id: int
   logprob: float
@@ -73,6 +74,13 @@ def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Reques
     reason = None
     if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos):
       reason = "stop"
+    elif r.grammar is not None:  # structured output: the grammar follows every token
+      g = r.grammar.advance(last)
+      if g == "stop":  # complete: nothing but the end of the text may follow
+        reason = "stop"
+      elif g is not None:  # cannot happen for a token sampled under the mask
+        r.error = g
+        reason = "constraint"
     elif sp.stop and tokenizer is not None:
       text = tokenizer.decode(r.output_token_ids)
       for s in sp.stop:
@@ -123,6 +131,7 @@ class Engine:
                                estimate_time=None if self.step_model is None else
                                self._estimate_from_step_model)
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
+    self._eos_token_ids = tuple(eos_token_ids)
     self.requests: Dict[object, Request] = {}
     self.steps: List[StepRecord] = []
     self._next_id = 0
@@ -131,13 +140,16 @@ class Engine:
     self._in_flight: Optional[InFlight] = None
     self._owner: Optional[int] = None
     self._launching_step: Optional[int] = None
-    self._failed: List[TokenEvent] = []  # error events of failed requests, for step()
+    self._failed: List[TokenEvent] = []  # end events (error / constraint), for step()
     self.drafter = drafter
     self.draft_policy = draft_policy
     if drafter is not None:
       drafter.bind(self)
     self.draft_time_s = 0.0
     self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
+    self._grammars = None  # a GrammarCompiler, built at the first constrained request
+    self._grammars_lock = threading.Lock()  # validate_request may run on other threads
+    self.mask_time_s = 0.0  # host time spent filling structured-output token masks
 
   # --- clock -------------------------------------------------------------------------------
   def now(self) -> float:
@@ -174,9 +186,13 @@ class Engine:
     if request_id in self.requests:
       raise ValueError(f"request id {request_id!r} is already in use")
     seed = sampling.seed if sampling.seed is not None else int(np.random.randint(2**31))
+    grammar = None
+    if sampling.constraint is not None and not self.executor.virtual_clock:
+      grammar = self.grammar_compiler().matcher(*sampling.constraint)
     r = Request(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                 arrival_time=self.now() if arrival_time is None else arrival_time,
-                deadline_s=deadline_s, priority=priority, seed=seed, prompt=prompt)
+                deadline_s=deadline_s, priority=priority, seed=seed, prompt=prompt,
+                grammar=grammar)
     self.requests[request_id] = r
     self.scheduler.add(r)
     return r
@@ -188,7 +204,22 @@ class Engine:
       raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     ids = self._check_token_ids(prompt_token_ids)
     self.check_request(len(ids), sampling)
+    if sampling.constraint is not None:  # compiles (cached): an invalid one is a ValueError
+      self.grammar_compiler().compile(*sampling.constraint)
     return ids
+
+  def grammar_compiler(self):
+    """The structured-output compiler for this engine's tokenizer (built once, ~0.3 s)."""
+    with self._grammars_lock:
+      if self._grammars is None:
+        from jaxinfer.structured import GrammarCompiler
+        if self.tokenizer is None:
+          raise ValueError("structured output (json_schema / regex / grammar / choice) needs "
+                           "a tokenizer; this engine has none")
+        vocab = self.executor.vocab_size or self.tokenizer.vocab_size
+        eos = list(self._eos_token_ids) or list(self.tokenizer.eos_token_ids)
+        self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
+      return self._grammars
 
   def _check_token_ids(self, prompt_token_ids) -> List[int]:
     """Prompt ids as ints in [0, vocab): out-of-range ids were clamped or wrapped on the
@@ -332,6 +363,9 @@ class Engine:
       ex.fetch_pages(plan.fetches)
     if plan.copies:
       ex.copy_pages(plan.copies)
+    mask = None if ex.virtual_clock else self._token_masks(plan, now)
+    if not plan.seqs:  # every request in it ended (its constraint allows no token)
+      return None
     works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
                      page_table=self.pm.page_table(s.request.request_id),
                      num_logits=s.num_logits, temperature=s.request.sampling.temperature,
@@ -343,7 +377,7 @@ class Engine:
       b = select_bucket(works, self.buckets, self.pm.page_size)
       step = StepInput(arrays={}, bucket=b, logits_rows=[], num_tokens=plan.num_tokens)
     else:
-      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
+      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages, token_mask=mask)
       b = step.bucket
     step_id = self._launching_step = self.pm.begin_step([s.request.request_id
                                                          for s in plan.seqs])
@@ -353,6 +387,44 @@ class Engine:
                                 b.prefill_slots),
                                b.num_tokens - plan.num_tokens, draft_s)
     return self._in_flight
+
+  def _token_masks(self, plan: StepPlan, now: float) -> Optional[np.ndarray]:
+    """Structured output: the packed allowed-token rows of the step's logits rows ([rows,
+    words] int32, all ones for free requests), or None when no request in the step is
+    constrained (the step then runs without masking). A request whose constraint allows
+    no next token is ended here (finish_reason "constraint", never an unconstrained
+    token) and leaves the plan."""
+    rows, n = [], 0
+    for s in plan.seqs:
+      if s.request.grammar is not None and s.num_logits:
+        rows.append((s, n))
+      n += s.num_logits
+    if not rows:
+      return None
+    from jaxinfer.structured import unconstrained_rows
+    t0 = time.perf_counter()
+    comp = self.grammar_compiler()
+    mask = unconstrained_rows(n, comp.vocab_size)
+    comp.fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
+    self.mask_time_s += time.perf_counter() - t0
+    dead = {id(s) for s, i in rows if not mask[i].any()}
+    if not dead:
+      return mask
+    keep, kept_rows, n = [], [], 0
+    for s in plan.seqs:
+      if id(s) in dead:
+        r = s.request
+        why = (r.grammar.error or f"no token satisfies the {r.grammar.kind} constraint after "
+               f"{len(r.output_token_ids)} output tokens")
+        log.warning("request %s: %s", r.request_id, why)
+        self.scheduler.end_unsatisfiable(r, now, why)
+        self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "constraint"))
+      else:
+        keep.append(s)
+        kept_rows.extend(range(n, n + s.num_logits))
+      n += s.num_logits
+    plan.seqs[:] = keep
+    return mask[kept_rows] if keep else None
 
   def finish(self, f: InFlight) -> List[TokenEvent]:
     self._check_owner()
@@ -498,6 +570,8 @@ class Engine:
     self.draft_time_s += time.perf_counter() - t0
     for r in decoding:
       r.draft = list(drafts.get(r.request_id, []))[:lengths[r.request_id]]
+      if r.grammar is not None and r.draft:  # a draft the grammar rejects cannot be accepted
+        del r.draft[r.grammar.valid_prefix(r.draft):]
 
   # --- deadline estimate from the simulator's step model (8.6.1) ---------------------------------
   def set_step_model(self, model) -> None:

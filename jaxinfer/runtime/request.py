@@ -46,6 +46,7 @@ class Request:
   priority: int = 0  # lower runs first
   seed: int = 0
   prompt: Optional[str] = None
+  grammar: Optional[object] = None  # structured output: a GrammarMatcher (jaxinfer.structured)
 
   state: State = State.WAITING
   output_token_ids: List[int] = dataclasses.field(default_factory=list)
@@ -55,9 +56,10 @@ class Request:
   first_admitted_at: Optional[float] = None
   token_times: List[float] = dataclasses.field(default_factory=list)
   finished_at: Optional[float] = None
-  finish_reason: Optional[str] = None  # stop | length | abort | rejected | error
+  finish_reason: Optional[str] = None  # stop | length | abort | rejected | error | constraint
   reject_reason: Optional[str] = None
-  error: Optional[str] = None  # why a step failed the request (finish_reason "error")
+  error: Optional[str] = None  # why a step failed the request (finish_reason "error"), or
+  # why its constraint allowed no next token (finish_reason "constraint")
   text: str = ""
   num_preemptions: int = 0
   recomputed_tokens: int = 0  # extra tokens scheduled because of preemption

@@ -145,6 +145,12 @@ class Scheduler:
     if self._stop(r, State.FAILED, "error", now):
       r.error = error
 
+  def end_unsatisfiable(self, r: Request, now: float, why: str) -> None:
+    """End a request whose structured-output constraint allows no next token (finish_reason
+    "constraint"); pages released like abort."""
+    if self._stop(r, State.FINISHED, "constraint", now):
+      r.error = why
+
   def _stop(self, r: Request, state: State, reason: str, now: float) -> bool:
     if r.state.done:
       return False

@@ -1,0 +1,140 @@
+"""Grammar compilation and token bitmasks over llguidance.
+
+Why llguidance (`tools/grammar_bench.py` measures it against outlines-core on this
+project's 20 JSON Schemas at SmolLM2's 49,152-token vocabulary; the README has the
+table): it compiles JSON Schema, regular expressions and context-free grammars (Lark,
+and llama.cpp's GBNF) lazily — no DFA over the whole vocabulary up front, so a schema
+with wide numeric ranges or bounded arrays compiles in milliseconds — and it fills
+masks for a batch in parallel with the GIL released. It pulls no torch (xgrammar
+depends on torch and triton; outlines-core handles regular languages only).
+
+Constraint kinds (SamplingParams fields, at most one per request, vLLM's names):
+json_schema (a JSON Schema), json_object (any JSON object), regex, grammar (Lark or
+GBNF text), choice (one of a list of strings).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+def mask_words(vocab_size: int) -> int:
+  """int32 words per packed bitmask row: bit t of word t // 32 is token t."""
+  return (vocab_size + 31) // 32
+
+
+def unconstrained_rows(n: int, vocab_size: int) -> np.ndarray:
+  """[n, words] int32 of all ones: every token allowed (free requests, padding rows)."""
+  return np.full((n, mask_words(vocab_size)), -1, np.int32)
+
+
+def _grammar_text(kind: str, spec) -> str:
+  """The llguidance grammar for one constraint (not yet validated)."""
+  import llguidance
+  M = llguidance.LLMatcher
+  if kind == "json_schema":
+    try:
+      return M.grammar_from_json_schema(spec)
+    except ValueError as e:
+      raise ValueError(f"json_schema is not a valid JSON object: {e}") from None
+  if kind == "json_object":
+    return M.grammar_from_json_schema('{"type": "object"}')
+  if kind == "regex":
+    return M.grammar_from_regex(spec)
+  if kind == "choice":
+    return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+  if kind == "grammar":
+    try:
+      return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+      raise ValueError(f"grammar is neither valid Lark nor GBNF: {e}") from None
+  raise ValueError(f"unknown constraint kind {kind!r}; choose one of {KINDS}")
+
+
+class GrammarMatcher:
+  """One request's position in its grammar: which tokens may come next."""
+
+  def __init__(self, matcher, kind: str):
+    self._m = matcher
+    self.kind = kind
+
+  def advance(self, token: int) -> Optional[str]:
+    """Consume an emitted token. Returns None, "stop" when the grammar is complete (it
+    allows nothing but the end of the text), or an error message."""
+    if not self._m.consume_token(int(token)):
+      return f"token {token} breaks the {self.kind} constraint: {self._m.get_error()}"
+    if self._m.is_stopped():
+      return "stop"
+    return None
+
+  def valid_prefix(self, tokens: Sequence[int]) -> int:
+    """How many leading tokens of a draft the grammar accepts (state unchanged)."""
+    return self._m.validate_tokens(list(tokens)) if tokens else 0
+
+  @property
+  def error(self) -> Optional[str]:
+    return self._m.get_error() if self._m.is_error() else None
+
+
+class GrammarCompiler:
+  """Compiles constraints for one tokenizer; caches compiled grammars (LRU) so repeated
+  schemas (the usual case: one tool schema, many requests) cost one compile."""
+
+  def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+               cache_size: int = 256, num_threads: Optional[int] = None):
+    import llguidance
+    if tokenizer is None or not hasattr(tokenizer, "backend"):
+      raise ValueError("structured output needs the model's tokenizer (a tokenizers backend)")
+    self.vocab_size = vocab_size
+    self.words = mask_words(vocab_size)
+    self._tok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                       eos_token=list(eos_token_ids))
+    self._executor = llguidance.LLExecutor(num_threads)
+    self._cache: "collections.OrderedDict[Tuple[str, str], str]" = collections.OrderedDict()
+    self._cache_size = cache_size
+    self._lock = threading.Lock()  # the server validates on request threads
+
+  def compile(self, kind: str, spec) -> str:
+    """Compile and validate; ValueError naming the constraint and the problem."""
+    key = (kind, spec if isinstance(spec, str) else json.dumps(spec))
+    with self._lock:
+      hit = self._cache.get(key)
+      if hit is not None:
+        self._cache.move_to_end(key)
+        return hit
+    import llguidance
+    g = _grammar_text(kind, spec)
+    err = llguidance.LLMatcher.validate_grammar(g, self._tok)
+    if err:
+      raise ValueError(f"invalid {kind}: {err.strip()}")
+    with self._lock:
+      self._cache[key] = g
+      while len(self._cache) > self._cache_size:
+        self._cache.popitem(last=False)
+    return g
+
+  def matcher(self, kind: str, spec) -> GrammarMatcher:
+    import llguidance
+    m = llguidance.LLMatcher(self._tok, self.compile(kind, spec), log_level=0)
+    if m.is_error():
+      raise ValueError(f"invalid {kind}: {m.get_error()}")
+    return GrammarMatcher(m, kind)
+
+  def fill(self, rows: List[Tuple[GrammarMatcher, int, List[int]]], out: np.ndarray) -> None:
+    """Fill out[row] (and out[row + 1 + j] after draft token j) for each (matcher, row,
+    drafts), in parallel across requests; other rows of `out` are left as they are."""
+    assert out.dtype == np.int32 and out.shape[1] == self.words and out.flags["C_CONTIGUOUS"]
+    plain = [(g._m, i) for g, i, d in rows if not d]
+    drafted = [(g._m, i, list(d)) for g, i, d in rows if d]
+    if plain:
+      self._executor.unsafe_compute_mask_ptr(plain, out.ctypes.data, self.words * 4,
+                                             out.shape[0])
+    if drafted:
+      self._executor.unsafe_compute_mask_ptr_with_draft_token(
+          drafted, out.ctypes.data, self.words * 4, out.shape[0])
