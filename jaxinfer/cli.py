@@ -63,6 +63,18 @@ flags.DEFINE_bool("warmup", True, "compile every bucket shape before the first r
 flags.DEFINE_string("buckets", None, "a bucket table as JSON (tools/bucket_plan.py writes "
                     "them); default: a small table from --max_num_batched_tokens and "
                     "--max_num_seqs")
+flags.DEFINE_string("json_schema", None, "generate: a JSON Schema file; every answer is JSON "
+                    "that validates against it (structured output)")
+flags.DEFINE_bool("json_object", False, "generate: every answer is a JSON object")
+flags.DEFINE_string("regex", None, "generate: every answer matches this regular expression")
+flags.DEFINE_string("grammar", None, "generate: a context-free grammar file (Lark or "
+                    "llama.cpp GBNF); every answer is a sentence of it")
+flags.DEFINE_multi_string("choice", [], "generate: the answer is exactly one of these "
+                          "strings; repeatable")
+flags.DEFINE_bool("structured_output", False, "serve: the warm-up also compiles each shape's "
+                  "token-masked variant, so response_format / guided_* requests never compile "
+                  "mid-traffic (they work without it; each variant then compiles at first "
+                  "use). generate: on whenever a constraint flag is given")
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
 flags.DEFINE_integer("port", 8000, "serve: TCP port")
 flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")
@@ -78,12 +90,42 @@ def _sampling_params(n):
   """Checked before the model loads: a bad value is one line and exit 2, not a traceback
   after a 10 s load."""
   from jaxinfer.config import SamplingParams
+  constraint = _constraint_flags()
   try:
-    return [SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                           seed=FLAGS.seed + i, max_tokens=FLAGS.max_tokens,
-                           stop=tuple(FLAGS.stop)) for i in range(n)]
+    sps = [SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                          seed=FLAGS.seed + i, max_tokens=FLAGS.max_tokens,
+                          stop=tuple(FLAGS.stop), **constraint) for i in range(n)]
+    if sps[0].constraint is not None:  # compiles without the tokenizer: before the load
+      from jaxinfer.structured import check_constraint
+      check_constraint(*sps[0].constraint)
+    return sps
   except ValueError as e:
     _usage_error(str(e))
+
+
+def _constraint_flags() -> dict:
+  """--json_schema / --json_object / --regex / --grammar / --choice as SamplingParams
+  fields (files read here; a missing or unreadable file is a usage error)."""
+  out = {}
+  for flag, field in (("json_schema", "json_schema"), ("grammar", "grammar")):
+    path = getattr(FLAGS, flag)
+    if path is None:
+      continue
+    try:
+      with open(path, encoding="utf-8") as f:
+        out[field] = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      _usage_error(f"--{flag}={path}: {e}")
+  if FLAGS.regex is not None:
+    out["regex"] = FLAGS.regex
+  if FLAGS.choice:
+    out["choice"] = tuple(FLAGS.choice)
+  if FLAGS.json_object:
+    out["json_object"] = True
+  if len(out) > 1:
+    _usage_error(f"give at most one of --json_schema, --json_object, --regex, --grammar, "
+                 f"--choice (got {', '.join('--' + k for k in out)})")
+  return out
 
 
 def _usage_error(msg: str):
@@ -111,7 +153,7 @@ def _check_engine_flags():
     _usage_error(f"--buckets={FLAGS.buckets}: {e}")
 
 
-def _make_llm(buckets, max_num_seqs=None):
+def _make_llm(buckets, max_num_seqs=None, structured_output=False):
   from jaxinfer.llm import LLM
   return LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format,
              page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, attention=FLAGS.attention,
@@ -123,7 +165,7 @@ def _make_llm(buckets, max_num_seqs=None):
              policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
              max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
              deadline_admission=FLAGS.deadline_admission,
-             buckets=buckets, warmup=FLAGS.warmup)
+             buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output)
 
 
 def _serve():
@@ -134,7 +176,8 @@ def _serve():
   if FLAGS.max_queue < 1 or FLAGS.default_max_tokens < 1 or FLAGS.deadline_s < 0:
     _usage_error("--max_queue and --default_max_tokens must be >= 1, --deadline_s >= 0")
   t0 = time.perf_counter()
-  llm = _make_llm(buckets)  # warm-up (on by default) logs its shape count and seconds
+  # warm-up (on by default) logs its shape count and seconds
+  llm = _make_llm(buckets, structured_output=FLAGS.structured_output)
   print(f"[jaxinfer] {llm.cfg.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   serve(llm, model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
         port=FLAGS.port, api_key=FLAGS.api_key, max_queue=FLAGS.max_queue,
@@ -159,7 +202,7 @@ def _generate():
   # A batch never runs more requests than it has prompts: the table (and its warm-up)
   # need no larger request buckets unless --max_num_seqs says otherwise.
   llm = _make_llm(buckets, None if FLAGS["max_num_seqs"].present else min(
-      len(prompts), FLAGS.max_num_seqs))
+      len(prompts), FLAGS.max_num_seqs), structured_output=sps[0].constraint is not None)
   t_load = time.perf_counter() - t0
   load = (f"load {t_load - llm.warmup_s:.1f}s + warm-up {llm.warmup_s:.1f}s"
           if FLAGS.warmup else f"load {t_load:.1f}s")

@@ -75,7 +75,8 @@ class LLM:
                q_precision: str = "native", policy: str = "chunked",
                max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                deadline_admission: bool = False, warmup: bool = True,
-               cache_eviction: str = "lru", host_cache_pages: int = 0):
+               cache_eviction: str = "lru", host_cache_pages: int = 0,
+               structured_output: bool = False):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -94,9 +95,15 @@ class LLM:
     default: BucketTable.default (about 55 shapes);
     warmup: compile every shape of the table now, with a progress bar (8.2.4: no request
     then waits for a compile; the persistent compilation cache makes a second process
-    mostly reload them). `warmup_s` holds the seconds spent."""
+    mostly reload them). `warmup_s` holds the seconds spent;
+    structured_output: the warm-up also compiles each shape's token-masked variant (steps
+    that carry json_schema / regex / grammar / choice requests), so a server taking
+    constrained requests never compiles mid-traffic; constrained requests work without it,
+    each masked variant then compiling at its first use."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
+    if not isinstance(structured_output, bool):
+      raise ValueError(f"structured_output must be a bool, got {structured_output!r}")
     if cache_eviction not in ("lru", "value"):
       raise ValueError(f"cache_eviction must be 'lru' or 'value', got {cache_eviction!r}")
     if isinstance(host_cache_pages, bool) or not isinstance(host_cache_pages, int) or \
@@ -155,7 +162,8 @@ class LLM:
                          prefix_cache=prefix_cache, cache_eviction=cache_eviction,
                          host_cache_pages=host_cache_pages, drafter=drafter,
                          draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
-    self.warmup_s = self.engine.warmup(progress=True) if warmup else 0.0
+    self.warmup_s = self.engine.warmup(progress=True, structured=structured_output) \
+        if warmup else 0.0
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":

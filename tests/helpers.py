@@ -40,3 +40,28 @@ def recompute_greedy(cfg, params, prompt_ids, n_tokens):
     out.append(nxt)
     ids.append(nxt)
   return out
+
+
+def check_constrained_greedy(cfg, params, compiler, r, tie=1e-4):
+  """A finished constrained greedy request against a constrained full-recompute decode:
+  one fresh forward over prompt + outputs (teacher-forced, padded to a multiple of 16),
+  then at each output position the grammar's mask from a fresh matcher and the argmax of
+  the allowed logits. A position where two allowed tokens are within `tie` of each other
+  (f32 summation order) accepts either."""
+  from jaxinfer.structured import unconstrained_rows
+  out = r.output_token_ids
+  seq = r.prompt_token_ids + out[:-1]
+  logits = full_logits(cfg, params, seq + [0] * (-len(seq) % 16))
+  n = len(r.prompt_token_ids)
+  g = compiler.matcher(*r.sampling.constraint)
+  row = unconstrained_rows(1, compiler.vocab_size)
+  for j, tok in enumerate(out):
+    row[:] = -1
+    compiler.fill([(g, 0, [])], row)
+    allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:logits.shape[1]] > 0
+    lg = np.where(allowed, logits[n - 1 + j], -np.inf)
+    want = int(np.argmax(lg))
+    assert allowed[tok], (r.request_id, j, tok)
+    assert tok == want or lg[tok] >= lg[want] - tie, (r.request_id, j, tok, want)
+    if j < len(out) - 1:
+      assert g.advance(tok) is None, (r.request_id, j)

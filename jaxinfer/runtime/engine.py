@@ -313,22 +313,32 @@ class Engine:
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
 
-  def warmup(self, progress: bool = False) -> float:
+  def warmup(self, progress: bool = False, structured: bool = False) -> float:
     """Compile every shape this configuration can run ahead of time (real executors): the
     table's buckets, with a drafter also the verify shapes and the drafter's own steps
     (early-exit draft steps, a draft model's executables). Seconds spent; with the
     persistent compilation cache a second process mostly reloads them. progress: a
-    progress bar on stderr."""
+    progress bar on stderr. structured: also the variants that take a structured-output
+    token mask (and the grammar compiler), so constrained requests never compile either;
+    without it each such variant compiles at its first use."""
     if self.executor.virtual_clock:
       return 0.0
     speculative = self.drafter is not None
     buckets = list(self.buckets.all_buckets(verify=speculative))
-    shapes = buckets
-    if progress:
-      from tqdm.auto import tqdm
-      shapes = tqdm(buckets, desc="compiling bucket shapes", unit="shape", leave=False)
-    t = self.executor.warmup(shapes)
-    log.info("warm-up: %d bucket shapes in %.1f s", len(buckets), t)
+    t0 = time.perf_counter()
+    if structured and self.tokenizer is not None:
+      self.grammar_compiler()
+    t = time.perf_counter() - t0
+    for masked in ((False, True) if structured else (False,)):
+      shapes = buckets
+      if progress:
+        from tqdm.auto import tqdm
+        shapes = tqdm(buckets, unit="shape", leave=False,
+                      desc="compiling masked bucket shapes" if masked else
+                      "compiling bucket shapes")
+      t += self.executor.warmup(shapes, masked=masked)
+    log.info("warm-up: %d bucket shapes%s in %.1f s", len(buckets),
+             " (plain and masked)" if structured else "", t)
     if speculative:  # verify shapes above; the drafter's own steps here
       t += self.drafter.warmup(buckets)
     return t

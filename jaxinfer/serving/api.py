@@ -91,6 +91,8 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     except RequestTooLargeError as e:
       raise bad("max_tokens" if "max_tokens" in str(e) else "prompt", str(e)) from None
     except ValueError as e:
+      if sp.constraint is not None and str(e).startswith(f"invalid {sp.constraint[0]}"):
+        raise bad(extras["constraint_param"], str(e)) from None  # the grammar did not compile
       raise bad("prompt", str(e)) from None
     return sp
 

@@ -93,7 +93,7 @@ def sampling_from_body(body: Dict[str, Any], *, chat: bool, max_model_len: int,
   for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
                         ("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0),
                         ("logit_bias", {}), ("echo", False), ("suffix", None),
-                        ("tools", []), ("response_format", {"type": "text"})):
+                        ("tools", [])):
     _unsupported(body, name, neutral)
   if body.get("best_of") not in (None, 1, n):
     raise bad("best_of", f"best_of = {body['best_of']!r} is not supported (only best_of == n)")
@@ -109,12 +109,16 @@ def sampling_from_body(body: Dict[str, Any], *, chat: bool, max_model_len: int,
       raise bad("logprobs", f"logprobs = {lp} asks for {lp} alternatives per token; this "
                 "server returns only the sampled token's logprob (use logprobs=0)")
     want_lp = lp is not None
+  constraint, constraint_param = constraint_from_body(body)
   try:
     sp = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
                         max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(stop_ids),
-                        ignore_eos=ignore_eos)
+                        ignore_eos=ignore_eos, **constraint)
   except ValueError as e:
-    raise bad(str(e).split()[0], str(e)) from None
+    param = constraint_param if constraint and any(
+        k in str(e) for k in ("json", "regex", "grammar", "choice", "constraint")) else \
+        str(e).split()[0]
+    raise bad(param, str(e)) from None
   stream = body.get("stream", False)
   if not isinstance(stream, bool):
     raise bad("stream", f"stream must be a boolean, got {stream!r}")
@@ -127,7 +131,65 @@ def sampling_from_body(body: Dict[str, Any], *, chat: bool, max_model_len: int,
   deadline = _num(body, "deadline_s", None, lo=1e-3)
   return n, sp, {"logprobs": want_lp, "stream": stream,
                  "include_usage": opts.get("include_usage", False),
-                 "deadline_s": deadline, "max_tokens_given": body.get(mt_name) is not None}
+                 "deadline_s": deadline, "max_tokens_given": body.get(mt_name) is not None,
+                 "constraint_param": constraint_param}
+
+
+# vLLM's structured-output extras -> SamplingParams fields (the older guided_* names and
+# the newer structured_outputs object).
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice",
+               "grammar": "grammar", "json_object": "json_object"}
+
+
+def constraint_from_body(body: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
+  """The request's structured-output constraint as SamplingParams fields, and the body
+  field it came from: OpenAI's response_format (text | json_object | json_schema), vLLM's
+  guided_json / guided_regex / guided_choice / guided_grammar and structured_outputs.
+  More than one is a 400; whether the grammar compiles is checked with the request."""
+  found: Dict[str, Any] = {}
+  params = []
+  rf = body.get("response_format")
+  if rf is not None:
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+      raise bad("response_format", "response_format must be {\"type\": \"text\"}, "
+                "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                f"{{\"name\": ..., \"schema\": {{...}}}}}}, got {rf!r}")
+    if rf["type"] == "json_object":
+      found["json_object"] = True
+      params.append("response_format")
+    elif rf["type"] == "json_schema":
+      js = rf.get("json_schema")
+      schema = js.get("schema") if isinstance(js, dict) else None
+      if not isinstance(schema, dict):
+        raise bad("response_format", "response_format.json_schema.schema must be a JSON "
+                  f"Schema object, got {schema!r}")
+      found["json_schema"] = schema
+      params.append("response_format")
+  for name, field in _GUIDED.items():
+    if body.get(name) is not None:
+      found[field] = body[name]
+      params.append(name)
+  so = body.get("structured_outputs")
+  if so is not None:
+    if not isinstance(so, dict):
+      raise bad("structured_outputs", f"structured_outputs must be an object, got {so!r}")
+    for key, v in so.items():
+      if key not in _STRUCTURED:
+        raise bad("structured_outputs", f"structured_outputs.{key} is not supported (one of "
+                  f"{sorted(_STRUCTURED)})")
+      if v is not None and v is not False:
+        found[_STRUCTURED[key]] = v
+        params.append(f"structured_outputs.{key}")
+  backend = body.get("guided_decoding_backend")
+  if backend not in (None, "auto", "guidance", "llguidance"):
+    raise bad("guided_decoding_backend", f"guided_decoding_backend = {backend!r}: this server "
+              "compiles grammars with llguidance only ('guidance', 'llguidance' or 'auto')")
+  if len(params) > 1:
+    raise bad(params[1], f"at most one structured-output constraint per request, got "
+              f"{', '.join(params)}")
+  return found, (params[0] if params else None)
 
 
 def messages_from_body(body: Dict[str, Any]) -> List[Dict[str, str]]:

@@ -6,7 +6,8 @@ row per logits row ([S, ceil(V/32)] int32, bit t of a row = token t allowed), an
 jitted step masks the logits with it before sampling and speculative verification.
 Imports no JAX.
 """
-from jaxinfer.structured.grammar import (GrammarCompiler, GrammarMatcher, mask_words,
-                                         unconstrained_rows)
+from jaxinfer.structured.grammar import (KINDS, GrammarCompiler, GrammarMatcher,
+                                         check_constraint, mask_words, unconstrained_rows)
 
-__all__ = ["GrammarCompiler", "GrammarMatcher", "mask_words", "unconstrained_rows"]
+__all__ = ["KINDS", "GrammarCompiler", "GrammarMatcher", "check_constraint", "mask_words",
+           "unconstrained_rows"]

@@ -42,7 +42,7 @@ def _grammar_text(kind: str, spec) -> str:
     try:
       return M.grammar_from_json_schema(spec)
     except ValueError as e:
-      raise ValueError(f"json_schema is not a valid JSON object: {e}") from None
+      raise ValueError(f"invalid json_schema: not a JSON object: {e}") from None
   if kind == "json_object":
     return M.grammar_from_json_schema('{"type": "object"}')
   if kind == "regex":
@@ -53,8 +53,17 @@ def _grammar_text(kind: str, spec) -> str:
     try:
       return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-      raise ValueError(f"grammar is neither valid Lark nor GBNF: {e}") from None
+      raise ValueError(f"invalid grammar: neither Lark nor GBNF: {e}") from None
   raise ValueError(f"unknown constraint kind {kind!r}; choose one of {KINDS}")
+
+
+def check_constraint(kind: str, spec) -> None:
+  """Does the constraint compile? ValueError naming the problem. Needs no tokenizer (the
+  CLI checks its flags with it before the model loads)."""
+  import llguidance
+  err = llguidance.LLMatcher.validate_grammar(_grammar_text(kind, spec))
+  if err:
+    raise ValueError(f"invalid {kind}: {err.strip()}")
 
 
 class GrammarMatcher:
