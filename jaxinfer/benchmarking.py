@@ -10,6 +10,7 @@ prints beside its figures, and the one helper that builds a step of a given shap
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Tuple
 
@@ -99,3 +100,54 @@ def time_step(executor, step: StepInput, repeats: int = 5) -> float:
     executor.execute(step)
     ts.append(time.perf_counter() - t)
   return float(np.median(ts))
+
+
+# --- the peer every benchmark prints beside its figures: HF transformers, same run ---
+def hf_model(path):
+  """The HF transformers peer of a GGUF model (f32, eval), or None when the test extra
+  (torch, transformers) is not installed."""
+  import importlib.util
+  import os
+  if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+    logging.getLogger(__name__).warning(
+        "HF peer skipped: torch/transformers not installed (pip install -e '.[test]')")
+    return None
+  import torch
+  from transformers import AutoModelForCausalLM
+  d, f = os.path.split(path)
+  return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+def hf_decode_step(model, cfg, batch, context, repeats):
+  """Median seconds of HF's decode forward (one token per request, growing cache)."""
+  import torch
+  from transformers import DynamicCache
+  g = torch.Generator().manual_seed(0)
+  K, H = cfg.num_kv_heads, cfg.head_dim
+  cache = DynamicCache(config=model.config)
+  for layer in range(cfg.num_layers):
+    cache.update(torch.randn(batch, K, context, H, generator=g),
+                 torch.randn(batch, K, context, H, generator=g), layer)
+  ids = torch.full((batch, 1), 7)
+  ts = []
+  with torch.no_grad():
+    for i in range(repeats + 1):
+      pos = context + i
+      t = time.perf_counter()
+      model(input_ids=ids, past_key_values=cache, use_cache=True,
+            attention_mask=torch.ones(batch, pos + 1, dtype=torch.long),
+            position_ids=torch.full((batch, 1), pos))
+      ts.append(time.perf_counter() - t)
+  return float(np.median(ts[1:]))
+
+
+def hf_prefill(model, n, repeats):
+  import torch
+  ids = torch.full((1, n), 7)
+  ts = []
+  with torch.no_grad():
+    for _ in range(repeats + 1):
+      t = time.perf_counter()
+      model(input_ids=ids, use_cache=True)
+      ts.append(time.perf_counter() - t)
+  return float(np.median(ts[1:]))

@@ -11,6 +11,7 @@ def test_runtime_imports_no_jax():
   code = ("import sys\n"
           "import jaxinfer.runtime.engine, jaxinfer.runtime.speculative, jaxinfer.metrics\n"
           "import jaxinfer.runtime.accounting, jaxinfer.costmodel.formulas\n"
+          "import jaxinfer.structured, jaxinfer.structured.grammar, llguidance\n"
           "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]\n"
           "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -15,11 +15,11 @@ from jaxinfer.step import model_step
 TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
 
 
-def make(smollm2, num_pages=64, page_size=8, **cfg_kw):
+def make(smollm2, num_pages=64, page_size=8, tokenizer=None, **cfg_kw):
   cfg = SchedulerConfig(**{"policy": "chunked", "max_running": 4, "token_budget": 32,
                            "chunk_size": 16, **cfg_kw})
   ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=num_pages, page_size=page_size)
-  return Engine(ex, cfg, buckets=TABLE, prefix_cache=True)
+  return Engine(ex, cfg, buckets=TABLE, prefix_cache=True, tokenizer=tokenizer)
 
 
 def prompts(n, length, seed, shared=()):
@@ -52,16 +52,19 @@ def test_chunked_prefix_hits_and_preemption_equal_recompute(smollm2):
 
 @pytest.mark.slow
 def test_warm_engine_never_recompiles(smollm2):
-  eng = make(smollm2)
-  eng.warmup()
+  """Warmed with structured=True: plain and grammar-masked steps of every shape."""
+  eng = make(smollm2, tokenizer=smollm2.tokenizer)
+  eng.warmup(structured=True)
   before = model_step._cache_size()
   rng = np.random.default_rng(3)
-  for i in range(6):  # mixed lengths, arrivals, sampling parameters
+  constraints = [{}, {"regex": "[a-z ]+"}, {"json_object": True}]
+  for i in range(9):  # mixed lengths, arrivals, sampling parameters, constraints
     eng.add_request(rng.integers(100, 40000, int(rng.integers(1, 40))).tolist(),
                     SamplingParams(max_tokens=int(rng.integers(1, 8)), temperature=0.7 * (i % 2),
-                                   top_p=0.9, seed=i, ignore_eos=True))
+                                   top_p=0.9, seed=i, ignore_eos=True, **constraints[i % 3]))
     eng.step()
   eng.run()
+  assert eng.mask_time_s > 0  # masked steps ran
   assert model_step._cache_size() == before, "a warm engine compiled a new step shape"
 
 

@@ -199,6 +199,51 @@ def test_bad_parameters_are_400_naming_field_value_and_limit(client, kw, param, 
   assert err["param"] == param and words in err["message"], err
 
 
+def test_structured_output_response_format_and_guided_extras(client, offline):
+  """response_format json_schema (whole and streamed) equals the offline LLM's
+  constrained answer and validates; json_object parses; vLLM's guided_choice and
+  guided_regex are followed; a schema that does not compile, or two constraints, is a
+  400 naming the field."""
+  import json
+  schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "population_millions": {"type": "number",
+                                                                     "minimum": 0}},
+            "required": ["city", "population_millions"], "additionalProperties": False}
+  msgs = [{"role": "user", "content": "Which is the largest city of Japan?"}]
+  want = offline.chat([msgs], SamplingParams(max_tokens=60, json_schema=schema))[0]
+  rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+  got = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                       temperature=0, response_format=rf)
+  text = got.choices[0].message.content
+  assert text == want.text and got.choices[0].finish_reason == "stop"
+  obj = json.loads(text)
+  assert set(obj) == {"city", "population_millions"} and obj["population_millions"] >= 0
+  chunks = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                          temperature=0, response_format=rf, stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+  got = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                       temperature=0, response_format={"type": "json_object"})
+  assert isinstance(json.loads(got.choices[0].message.content), dict)
+  got = client.completions.create(model=MODEL, prompt="Is ice cold? Answer:", max_tokens=5,
+                                  temperature=0.7, n=3,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+  assert {c.text for c in got.choices} <= {"yes", "no"}
+  got = client.completions.create(model=MODEL, prompt="A date:", max_tokens=12, temperature=0,
+                                  extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+  assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", got.choices[0].text)
+  bad_rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+      "type": "object", "properties": {"a": {"type": "strin"}}}}}
+  for kw, param, words in [
+      (dict(response_format=bad_rf), "response_format", "invalid json_schema"),
+      (dict(response_format={"type": "xml"}), "response_format", "must be"),
+      (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
+       "guided_regex", "at most one"),
+      (dict(extra_body={"guided_regex": "a("}), "guided_regex", "invalid regex")]:
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
+    assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
 def test_long_prompt_unknown_model_and_wrong_key(server, client):
   with pytest.raises(openai.BadRequestError, match="context window"):
     client.completions.create(model=MODEL, prompt=[1] * 500, max_tokens=20)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from absl import app, flags
-import numpy as np
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
@@ -40,53 +38,6 @@ flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
 flags.DEFINE_string("output_dir", "", "write bench_decode.json and bench_decode.png here")
-
-
-def hf_model(path):
-  import importlib.util
-  if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
-    print("HF peer skipped: torch/transformers not installed (pip install -e '.[test]')",
-          file=sys.stderr)
-    return None
-  import torch
-  from transformers import AutoModelForCausalLM
-  d, f = os.path.split(path)
-  return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-
-
-def hf_decode_step(model, cfg, batch, context, repeats):
-  """Median seconds of HF's decode forward (one token per request, growing cache)."""
-  import torch
-  from transformers import DynamicCache
-  g = torch.Generator().manual_seed(0)
-  K, H = cfg.num_kv_heads, cfg.head_dim
-  cache = DynamicCache(config=model.config)
-  for layer in range(cfg.num_layers):
-    cache.update(torch.randn(batch, K, context, H, generator=g),
-                 torch.randn(batch, K, context, H, generator=g), layer)
-  ids = torch.full((batch, 1), 7)
-  ts = []
-  with torch.no_grad():
-    for i in range(repeats + 1):
-      pos = context + i
-      t = time.perf_counter()
-      model(input_ids=ids, past_key_values=cache, use_cache=True,
-            attention_mask=torch.ones(batch, pos + 1, dtype=torch.long),
-            position_ids=torch.full((batch, 1), pos))
-      ts.append(time.perf_counter() - t)
-  return float(np.median(ts[1:]))
-
-
-def hf_prefill(model, n, repeats):
-  import torch
-  ids = torch.full((1, n), 7)
-  ts = []
-  with torch.no_grad():
-    for _ in range(repeats + 1):
-      t = time.perf_counter()
-      model(input_ids=ids, use_cache=True)
-      ts.append(time.perf_counter() - t)
-  return float(np.median(ts[1:]))
 
 
 def _fmt(x, spec=".1f"):
@@ -114,7 +65,7 @@ def main(argv):
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
         f"{','.join(FLAGS.attention)}", flush=True)
-  hf = hf_model(m.source) if FLAGS.hf else None
+  hf = bm.hf_model(m.source) if FLAGS.hf else None
   rates = {}
 
   def rate(rows, lm_rows):
@@ -138,7 +89,7 @@ def main(argv):
         c_floor = costs.step_flops(seqs) / rate(B, B)
         th = None
         if hf is not None and kv_format == "f32":
-          th = hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
+          th = bm.hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
         for backend in FLAGS.attention:
           ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
@@ -160,7 +111,7 @@ def main(argv):
     c0 = FLAGS.prefill_context
     step, num_pages = bm.uniform_step(1, c0, n, ps, page_width=FLAGS.page_width)
     flops = costs.step_flops([(n, c0)])
-    th = hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None and not c0 else None
+    th = bm.hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None and not c0 else None
     for backend in FLAGS.attention:
       ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
       t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))

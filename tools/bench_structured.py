@@ -1,0 +1,226 @@
+"""Structured output on this machine: which grammar library, and what masking costs a step.
+
+  python tools/bench_structured.py [--batch_sizes=1,16] [--output_dir=DIR]
+
+1. Library choice, on configs/structured/schemas.json (20 JSON Schemas) at SmolLM2's
+   49,152-token vocabulary: llguidance (what jaxinfer uses) and, when installed,
+   outlines-core (`pip install outlines-core`; xgrammar is not measured: it depends on
+   torch and triton, which the runtime must not pull). Per schema: compile time (the
+   grammar built and ready for its first mask) and the time to fill one token's mask,
+   along a valid instance (SmolLM2's own constrained answer, re-serialized compactly so
+   both libraries' JSON whitespace rules accept it, and tokenized canonically).
+2. The step overhead: steady decode steps of `batch` requests, all free vs all under a
+   JSON-string constraint (the widest masks: almost every token allowed), same prompts,
+   same lengths; median step time and the ratio constrained / free, the host's mask-fill
+   time per step, beside this machine's bandwidth and compute floors for that step and
+   HF transformers' decode step at the same batch and context (same run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+import numpy as np
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batch_sizes", ["1", "16"], "decode batch sizes of the overhead part")
+flags.DEFINE_integer("decode_tokens", 40, "tokens each request decodes (overhead part)")
+flags.DEFINE_bool("hf", True, "time HF transformers' decode step in the same run")
+flags.DEFINE_bool("libraries", True, "run the library comparison")
+flags.DEFINE_string("output_dir", "", "write bench_structured.json here")
+
+STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+         "required": ["story"]}
+
+
+def _instances(llm, cases):
+  """SmolLM2's constrained greedy answer to each schema, compact, and its token ids."""
+  from jaxinfer.config import SamplingParams
+  outs = llm.generate([c["prompt"] for c in cases],
+                      [SamplingParams(max_tokens=160, json_schema=c["schema"]) for c in cases],
+                      chat=True)
+  inst = []
+  for c, o in zip(cases, outs):
+    text = json.dumps(json.loads(o.text), separators=(",", ":"), ensure_ascii=False)
+    inst.append((c, text, llm.tokenizer.encode(text, add_special_tokens=False)))
+  return inst
+
+
+def _bench_llguidance(llm, inst):
+  import llguidance
+  from jaxinfer.structured import GrammarCompiler, unconstrained_rows
+  t0 = time.perf_counter()
+  comp = GrammarCompiler(llm.tokenizer, llm.cfg.vocab_size, llm.cfg.eos_token_ids)
+  setup = time.perf_counter() - t0
+  rows = []
+  for c, text, ids in inst:
+    t0 = time.perf_counter()
+    g = comp.matcher("json_schema", json.dumps(c["schema"]))
+    out = unconstrained_rows(1, comp.vocab_size)
+    comp.fill([(g, 0, [])], out)  # the first mask: lazy compilation finishes here
+    compile_s = time.perf_counter() - t0
+    ts, ok = [], True
+    for t in ids:
+      if not g.advance(t) in (None, "stop"):
+        ok = False
+        break
+      t0 = time.perf_counter()
+      comp.fill([(g, 0, [])], out)
+      ts.append(time.perf_counter() - t0)
+    rows.append(dict(schema=c["name"], compile_ms=1e3 * compile_s, ok=ok,
+                     mask_us=[1e6 * x for x in ts]))
+  del llguidance
+  return "llguidance", setup, rows
+
+
+def _bench_outlines(llm, inst):
+  try:
+    import outlines_core as oc
+  except ImportError:
+    return None
+  import llguidance
+  t0 = time.perf_counter()
+  lt = llguidance.LLTokenizer(llm.tokenizer.backend.to_str(), n_vocab=llm.cfg.vocab_size,
+                              eos_token=list(llm.cfg.eos_token_ids))
+  vocab = {}
+  eos = llm.cfg.eos_token_ids[0]
+  for i in range(llm.cfg.vocab_size):
+    b = lt.decode_bytes([i])
+    if i != eos and b:
+      vocab.setdefault(b, []).append(i)
+  v = oc.Vocabulary(eos, vocab)
+  setup = time.perf_counter() - t0
+  words = (llm.cfg.vocab_size + 31) // 32
+  rows = []
+  for c, text, ids in inst:
+    t0 = time.perf_counter()
+    try:
+      guide = oc.Guide(oc.Index(oc.json_schema.build_regex_from_schema(
+          json.dumps(c["schema"])), v))
+    except Exception as e:  # noqa: BLE001 -- a schema the library cannot compile is a result
+      rows.append(dict(schema=c["name"], compile_ms=None, ok=False, error=str(e)[:80],
+                       mask_us=[]))
+      continue
+    mask = np.zeros(words, np.int32)
+    guide.write_mask_into(mask.ctypes.data, mask.size, 4)
+    compile_s = time.perf_counter() - t0
+    ts, ok = [], True
+    for t in ids:
+      try:
+        guide.advance(t)
+      except Exception:  # noqa: BLE001 -- the instance is outside its regex
+        ok = False
+        break
+      t0 = time.perf_counter()
+      guide.write_mask_into(mask.ctypes.data, mask.size, 4)
+      ts.append(time.perf_counter() - t0)
+    rows.append(dict(schema=c["name"], compile_ms=1e3 * compile_s, ok=ok,
+                     mask_us=[1e6 * x for x in ts]))
+  return "outlines-core", setup, rows
+
+
+def _overhead(llm, B, hf, costs, bw, rate):
+  from jaxinfer.config import SamplingParams
+  prompts = [f"Tell a long story about a lighthouse keeper number {i}." for i in range(B)]
+  res = {}
+  for name, extra in (("free", {}), ("constrained", {"json_schema": STORY})):
+    sp = SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True, **extra)
+    eng = llm.engine
+    llm.generate(prompts, sp, chat=True)  # compiles this run's shapes
+    n0, m0 = len(eng.steps), eng.mask_time_s
+    outs = llm.generate(prompts, sp, chat=True)
+    steps = [s for s in eng.steps[n0:] if s.num_prefill_tokens == 0 and s.num_seqs == B]
+    res[name] = dict(step_ms=1e3 * float(np.median([s.duration for s in steps])),
+                     steps=len(steps), mask_ms_per_step=1e3 * (eng.mask_time_s - m0) /
+                     max(len(eng.steps) - n0, 1))
+    if name == "constrained":
+      assert all(o.text.startswith('{"story"') or o.text.lstrip().startswith("{")
+                 for o in outs), [o.text[:40] for o in outs]
+  ctx = int(np.mean([len(llm.encode_prompt(p, chat=True)) for p in prompts])) + \
+      FLAGS.decode_tokens // 2
+  seqs = [(1, ctx)] * B
+  row = dict(batch=B, context=ctx, free_step_ms=res["free"]["step_ms"],
+             constrained_step_ms=res["constrained"]["step_ms"],
+             ratio=res["constrained"]["step_ms"] / res["free"]["step_ms"],
+             mask_fill_ms_per_step=res["constrained"]["mask_ms_per_step"],
+             bandwidth_floor_ms=1e3 * costs.step_bytes(seqs) / bw,
+             compute_floor_ms=1e3 * costs.step_flops(seqs) / rate(B),
+             hf_step_ms=None)
+  if hf is not None:
+    from jaxinfer.benchmarking import hf_decode_step
+    row["hf_step_ms"] = 1e3 * hf_decode_step(hf, llm.cfg, B, ctx, 5)
+  return row
+
+
+def main(argv):
+  del argv
+  from jaxinfer import LLM, benchmarking as bm, strict_json
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.costmodel import ModelCosts
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  batches = [int(b) for b in FLAGS.batch_sizes]
+  cases = json.load(open(os.path.join(root, "configs", "structured", "schemas.json")))
+  bw = bm.measure_read_bandwidth(512, 5)
+  peak = bm.measure_matmul_flops(2048, 5)
+  print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
+        f"GFLOP/s, {os.cpu_count()} cores", flush=True)
+  # Exact shapes for the overhead part (one decode bucket per batch size); the
+  # library part's batch of 20 uses the default table's.
+  table = BucketTable(token_sizes=tuple(sorted({*batches, 64, 256})),
+                      request_sizes=tuple(sorted({*batches, 32})), page_table_sizes=(16,))
+  llm = LLM(warmup=False, buckets=table, max_model_len=256)
+  out = {"machine": {"read_bandwidth_gbs": bw / 1e9, "matmul_gflops": peak / 1e9}}
+  if FLAGS.libraries:
+    inst = _instances(llm, cases)
+    libs = [r for r in (_bench_llguidance(llm, inst), _bench_outlines(llm, inst)) if r]
+    print("\ngrammar libraries on 20 JSON Schemas (SmolLM2 vocabulary 49,152): compile = "
+          "grammar ready for its first mask; mask = one token's mask, along each schema's "
+          "instance")
+    print(f"{'library':<14} {'setup s':>8} {'compiled':>9} {'compile ms med':>15} "
+          f"{'max':>8} {'mask us mean':>13} {'p99':>8} {'max':>8}")
+    out["libraries"] = {}
+    for name, setup, rows in libs:
+      ok = [r for r in rows if r["ok"]]
+      comp = [r["compile_ms"] for r in ok]
+      us = [x for r in ok for x in r["mask_us"]]
+      print(f"{name:<14} {setup:>8.2f} {len(ok):>6}/{len(rows):<2} {np.median(comp):>15.2f} "
+            f"{max(comp):>8.2f} {np.mean(us):>13.1f} {np.percentile(us, 99):>8.1f} "
+            f"{max(us):>8.1f}" + "".join(f"  failed: {r['schema']}" for r in rows
+                                          if not r["ok"]))
+      out["libraries"][name] = dict(setup_s=setup, schemas=[
+          {k: v for k, v in r.items() if k != "mask_us"} | dict(
+              mask_us_mean=float(np.mean(r["mask_us"])) if r["mask_us"] else None)
+          for r in rows])
+  hf = None
+  if FLAGS.hf:
+    hf = bm.hf_model(llm.model.source)
+  costs = ModelCosts(llm.cfg, 4.0, "f32", 16)
+  rates = {}
+
+  def rate(B):
+    if B not in rates:
+      rates[B] = bm.step_matmul_rate(llm.cfg, B, B, 5)
+    return rates[B]
+
+  rows = [_overhead(llm, B, hf, costs, bw, rate) for B in batches]
+  print("\nstructured output: steady decode step, free vs every request under a JSON "
+        "string constraint (ms; floors and HF from this run)")
+  print(f"{'batch':>5} {'ctx':>5} {'free':>8} {'constr.':>8} {'ratio':>6} {'mask fill':>9} "
+        f"{'bw floor':>9} {'cmp floor':>9} {'HF':>8}")
+  for r in rows:
+    hf_ms = "-" if r["hf_step_ms"] is None else f"{r['hf_step_ms']:.1f}"
+    print(f"{r['batch']:>5} {r['context']:>5} {r['free_step_ms']:>8.1f} "
+          f"{r['constrained_step_ms']:>8.1f} {r['ratio']:>6.3f} "
+          f"{r['mask_fill_ms_per_step']:>9.2f} {r['bandwidth_floor_ms']:>9.1f} "
+          f"{r['compute_floor_ms']:>9.1f} {hf_ms:>8}")
+  out["overhead"] = rows
+  if FLAGS.output_dir:
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, "bench_structured.json"), "w") as f:
+      f.write(strict_json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
