@@ -39,6 +39,21 @@ def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
 model_step = jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
                      donate_argnums=(1,))
 
+# A step carrying structured-output requests runs in two dispatches, so that the host
+# fills the token masks while the device runs the forward (the masks need every token
+# up to the step, not the step's own results): forward -> logits stay on the device,
+# then masked sampling / verification of those logits.
+SAMPLE_KEYS = ("temperature", "top_k", "top_p", "seed", "counter", "draft_ids", "token_mask")
+
+
+def _forward(params, pool, inputs, *, cfg, attn_shape, backend):
+  return transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape, backend=backend)
+
+
+forward_step = jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"),
+                       donate_argnums=(1,))
+masked_sample_step = jax.jit(sample_packed)
+
 
 def copy_pages_step(pool, src, dst):
   from jaxinfer.kv import copy_pages

@@ -10,7 +10,7 @@ from jaxinfer.executors.jax_executor import JaxExecutor
 from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
-from jaxinfer.step import model_step
+from jaxinfer.step import forward_step, masked_sample_step, model_step
 
 TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
 
@@ -55,7 +55,8 @@ def test_warm_engine_never_recompiles(smollm2):
   """Warmed with structured=True: plain and grammar-masked steps of every shape."""
   eng = make(smollm2, tokenizer=smollm2.tokenizer)
   eng.warmup(structured=True)
-  before = model_step._cache_size()
+  steps = (model_step, forward_step, masked_sample_step)
+  before = [f._cache_size() for f in steps]
   rng = np.random.default_rng(3)
   constraints = [{}, {"regex": "[a-z ]+"}, {"json_object": True}]
   for i in range(9):  # mixed lengths, arrivals, sampling parameters, constraints
@@ -65,7 +66,7 @@ def test_warm_engine_never_recompiles(smollm2):
     eng.step()
   eng.run()
   assert eng.mask_time_s > 0  # masked steps ran
-  assert model_step._cache_size() == before, "a warm engine compiled a new step shape"
+  assert [f._cache_size() for f in steps] == before, "a warm engine compiled a new shape"
 
 
 def test_sim_and_real_make_the_same_decisions(smollm2):

@@ -121,8 +121,11 @@ def test_twenty_schemas_batched_chunked_prefix_hits_and_speculation(smollm2, com
   reqs = [r for r in base.engine.requests.values() if r.sampling.constraint is not None]
   for r in reqs:  # token by token: the constrained full-recompute greedy decode
     check_constrained_greedy(smollm2.cfg, smollm2.params, compiler, r)
-  # The same under n-gram speculation (drafts verified under the mask): identical output.
+  # The same under n-gram speculation (drafts verified under the mask), with masks filled
+  # while the forward runs (two dispatches, an accelerator's default): identical output.
   spec = LLM(smollm2, speculative="ngram", num_draft=3, **kw)
+  assert not spec.executor.overlap_masks  # XLA:CPU's default: one fused step
+  spec.executor.overlap_masks = True
   outs2 = _run_schemas(spec, free)
   assert [o.token_ids for o in outs2] == [o.token_ids for o in outs]
   assert sum(r.spec_drafted for r in spec.engine.requests.values()) > 0
@@ -133,6 +136,7 @@ def test_a_dead_end_constraint_ends_only_its_request(smollm2):
   "constraint", no unconstrained token emitted, pages freed) and its batch goes on."""
   from jaxinfer import LLM
   llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32)
+  llm.executor.overlap_masks = True  # the request ends after its step was dispatched
   want = llm.generate(["Count to five."], SamplingParams(max_tokens=8), chat=True)[0]
   comp = llm.engine.grammar_compiler()
   real_fill = comp.fill

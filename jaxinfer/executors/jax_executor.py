@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -14,8 +14,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
-from jaxinfer.step import (copy_pages_jit, enable_compilation_cache, model_step,
-                           read_pages_jit, write_pages_jit)
+from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, enable_compilation_cache,
+                           forward_step, masked_sample_step, model_step, read_pages_jit,
+                           write_pages_jit)
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,15 @@ class JaxExecutor:
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                kv_format: str = "f32", backend: str = "xla", offload=None,
-               q_precision: str = "native"):
+               q_precision: str = "native", overlap_masks: Optional[bool] = None):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
-    streamed in each step (executors/offload.py)."""
+    streamed in each step (executors/offload.py).
+    overlap_masks: a step with structured-output requests dispatches its forward, fills
+    the token masks on the host meanwhile, then samples under them (two executables per
+    shape); False: masks first, then one fused step. Default: overlap on accelerators;
+    not on XLA:CPU, where the host and the "device" share the same cores (measured in
+    tools/bench_structured.py: the overlapped step was slower there)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params
@@ -37,6 +43,8 @@ class JaxExecutor:
     self.page_size = page_size
     self.kv_format = kv_format
     self.backend = attention.check_backend(backend, q_precision)
+    self.overlap_masks = (jax.default_backend() != "cpu") if overlap_masks is None else \
+        bool(overlap_masks)
     enable_compilation_cache()
     self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
@@ -74,11 +82,23 @@ class JaxExecutor:
   def launch(self, step: StepInput, plan=None):
     """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
     t0 = time.perf_counter()
+    arrays = step.arrays
     if self.streamer is not None:
-      out, self.pool = self.streamer.run(self.pool, step.arrays, step.bucket.attn_shape,
+      if step.mask_fn is not None:  # layer by layer: no single forward to overlap with
+        arrays = dict(arrays, token_mask=step.mask_fn())
+      out, self.pool = self.streamer.run(self.pool, arrays, step.bucket.attn_shape,
                                          self.backend)
       return out, t0
-    out, self.pool = model_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+    if step.mask_fn is not None and not self.overlap_masks:
+      arrays = dict(arrays, token_mask=step.mask_fn())
+    elif step.mask_fn is not None:
+      logits, self.pool = forward_step(self.params, self.pool, arrays, cfg=self.cfg,
+                                       attn_shape=step.bucket.attn_shape, backend=self.backend)
+      mask = step.mask_fn()  # host work while the device runs the forward
+      out = masked_sample_step(logits, dict({k: arrays[k] for k in SAMPLE_KEYS[:-1]},
+                                            token_mask=mask))
+      return out, t0
+    out, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
                                 attn_shape=step.bucket.attn_shape, backend=self.backend,
                                 return_logits=False)
     return out, t0
@@ -132,9 +152,11 @@ class JaxExecutor:
     variants that take a token mask (steps carrying structured-output requests)."""
     _check_map_budget(len(buckets))
     t0 = time.perf_counter()
-    words = (self.vocab_size + 31) // 32 if masked else 0
+    words = (self.vocab_size + 31) // 32
     for b in buckets:
-      self.launch(StepInput(empty_step_arrays(b, self.num_pages, words), b, [], 0))
+      a = empty_step_arrays(b, self.num_pages, words)
+      mask = a.pop("token_mask")
+      self.launch(StepInput(a, b, [], 0, mask_fn=(lambda m=mask: m) if masked else None))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
 

@@ -9,7 +9,7 @@ drops. Imports no JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class StepInput:
   bucket: Bucket
   logits_rows: List[Tuple[int, int]]  # (work index, j-th logits row of that work)
   num_tokens: int  # real tokens (the rest of bucket.num_tokens is padding)
+  # Structured output: returns the token_mask [bucket.num_logits, words] when called; a
+  # real executor calls it after dispatching the forward, so the host fills the masks
+  # while the device computes (arrays then hold no token_mask).
+  mask_fn: Optional[Callable[[], np.ndarray]] = None
 
   @property
   def padding_tokens(self) -> int:
@@ -73,17 +77,13 @@ def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0) -> Dict[st
 
 
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
-         num_pages: int, token_mask: Optional[np.ndarray] = None) -> StepInput:
-  """token_mask: [logits rows, words] packed allowed-token rows in the works' logits-row
-  order (structured output), or None for a step without constraints."""
+         num_pages: int) -> StepInput:
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
   b = select_bucket(works, table, page_size)
   R = b.num_requests
-  a = empty_step_arrays(b, num_pages, 0 if token_mask is None else token_mask.shape[1])
-  if token_mask is not None:
-    a["token_mask"][:len(token_mask)] = token_mask
+  a = empty_step_arrays(b, num_pages)
   token_ids, positions, write_page, write_offset = (a[k] for k in (
       "token_ids", "positions", "write_page", "write_offset"))
   page_table, query_start, query_len, cached_len = (a[k] for k in (

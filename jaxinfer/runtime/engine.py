@@ -373,9 +373,6 @@ class Engine:
       ex.fetch_pages(plan.fetches)
     if plan.copies:
       ex.copy_pages(plan.copies)
-    mask = None if ex.virtual_clock else self._token_masks(plan, now)
-    if not plan.seqs:  # every request in it ended (its constraint allows no token)
-      return None
     works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
                      page_table=self.pm.page_table(s.request.request_id),
                      num_logits=s.num_logits, temperature=s.request.sampling.temperature,
@@ -387,8 +384,9 @@ class Engine:
       b = select_bucket(works, self.buckets, self.pm.page_size)
       step = StepInput(arrays={}, bucket=b, logits_rows=[], num_tokens=plan.num_tokens)
     else:
-      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages, token_mask=mask)
+      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
       b = step.bucket
+      step.mask_fn = self._mask_fn(plan, b.num_logits)
     step_id = self._launching_step = self.pm.begin_step([s.request.request_id
                                                          for s in plan.seqs])
     handle = ex.launch(step, plan)
@@ -398,12 +396,14 @@ class Engine:
                                b.num_tokens - plan.num_tokens, draft_s)
     return self._in_flight
 
-  def _token_masks(self, plan: StepPlan, now: float) -> Optional[np.ndarray]:
-    """Structured output: the packed allowed-token rows of the step's logits rows ([rows,
-    words] int32, all ones for free requests), or None when no request in the step is
-    constrained (the step then runs without masking). A request whose constraint allows
-    no next token is ended here (finish_reason "constraint", never an unconstrained
-    token) and leaves the plan."""
+  def _mask_fn(self, plan: StepPlan, num_rows: int) -> Optional[Callable[[], np.ndarray]]:
+    """Structured output: None when no request in the step is constrained (the step then
+    runs without masking); else a function the executor calls once the forward is
+    dispatched, returning the packed allowed-token rows of the step's logits rows
+    ([num_rows, words] int32, all ones for free requests and padding), filled while the
+    device computes. A request whose constraint allows no next token is ended there
+    (finish_reason "constraint"; its row is left all ones and its token discarded, never
+    emitted), and its pages return when the step completes."""
     rows, n = [], 0
     for s in plan.seqs:
       if s.request.grammar is not None and s.num_logits:
@@ -411,30 +411,28 @@ class Engine:
       n += s.num_logits
     if not rows:
       return None
-    from jaxinfer.structured import unconstrained_rows
-    t0 = time.perf_counter()
-    comp = self.grammar_compiler()
-    mask = unconstrained_rows(n, comp.vocab_size)
-    comp.fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
-    self.mask_time_s += time.perf_counter() - t0
-    dead = {id(s) for s, i in rows if not mask[i].any()}
-    if not dead:
-      return mask
-    keep, kept_rows, n = [], [], 0
-    for s in plan.seqs:
-      if id(s) in dead:
+
+    def fill() -> np.ndarray:
+      from jaxinfer.structured import unconstrained_rows
+      t0 = time.perf_counter()
+      comp = self.grammar_compiler()
+      mask = unconstrained_rows(num_rows, comp.vocab_size)
+      comp.fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
+      for s, i in rows:
+        if mask[i].any():
+          continue
+        mask[i:i + s.num_logits] = -1
         r = s.request
         why = (r.grammar.error or f"no token satisfies the {r.grammar.kind} constraint after "
                f"{len(r.output_token_ids)} output tokens")
         log.warning("request %s: %s", r.request_id, why)
+        now = self.now()
         self.scheduler.end_unsatisfiable(r, now, why)
         self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "constraint"))
-      else:
-        keep.append(s)
-        kept_rows.extend(range(n, n + s.num_logits))
-      n += s.num_logits
-    plan.seqs[:] = keep
-    return mask[kept_rows] if keep else None
+      self.mask_time_s += time.perf_counter() - t0
+      return mask
+
+    return fill
 
   def finish(self, f: InFlight) -> List[TokenEvent]:
     self._check_owner()
