@@ -146,6 +146,15 @@ class SamplingParams:
   regex: Optional[str] = None
   grammar: Optional[str] = None  # a context-free grammar: Lark or llama.cpp GBNF text
   choice: Optional[Tuple[str, ...]] = None  # exactly one of these strings
+  # Logits processing (vLLM's names and ranges); a step carries this work only when one
+  # of its requests uses it.
+  min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+  presence_penalty: float = 0.0  # -p for every token already in the output
+  frequency_penalty: float = 0.0  # -f x count of the token in the output
+  repetition_penalty: float = 1.0  # over prompt and output: logit / r if > 0, else x r
+  min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
+  logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None  # {token id: bias in [-100, 100]}
+  logprobs: Optional[int] = None  # top-N alternatives per output token (0..20)
 
   def __post_init__(self):
     """Every field checked for type and range before anything uses it; the error names
@@ -173,6 +182,36 @@ class SamplingParams:
     object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
     object.__setattr__(self, "stop", tuple(stop))
     self._check_constraint()
+    self._check_processing()
+
+  def _check_processing(self) -> None:
+    _check_real("min_p", self.min_p, lo=0.0, hi=1.0)
+    _check_real("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+    _check_real("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+    _check_real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+    _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+    if self.logprobs is not None:
+      _check_int("logprobs", self.logprobs, 0, 20)
+    lb = self.logit_bias
+    if lb is not None:
+      items = lb.items() if isinstance(lb, dict) else lb
+      try:
+        pairs = [(k, v) for k, v in items]
+      except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to biases, got {lb!r}") from None
+      if len(pairs) > 1024:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most 1024")
+      for k, v in pairs:
+        _check_int("logit_bias token id", k, 0, INT32_MAX)
+        _check_real(f"logit_bias[{k}]", v, lo=-100.0, hi=100.0)
+      object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v))
+                                                          for k, v in pairs)) or None)
+
+  @property
+  def processes_logits(self) -> bool:
+    """Penalties, logit_bias or min_p: the step's logits-processing group."""
+    return bool(self.min_p or self.presence_penalty or self.frequency_penalty or
+                self.repetition_penalty != 1.0 or self.logit_bias)
 
   def _check_constraint(self) -> None:
     """Shape and type of the structured-output fields; whether a grammar compiles is

@@ -39,6 +39,8 @@ class RequestOutput:
   accepted_per_round: float = 0.0
   mean_tokens_per_round: float = 0.0
   error: Optional[str] = None  # why the request failed (finish_reason "error")
+  # per output token, SamplingParams.logprobs most likely (token id, logprob); [] if not asked
+  top_logprobs: List[list] = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -55,6 +57,7 @@ class RequestOutput:
                token_ids=list(r.output_token_ids), text=r.text, finish_reason=r.finish_reason,
                error=r.error,
                logprobs=list(r.logprobs), ttft_s=ttft, decode_tok_s=dec,
+               top_logprobs=[list(t) for t in r.top_logprobs],
                token_times=[t - r.arrival_time for t in r.token_times],
                cached_tokens=r.cached_tokens, num_preemptions=r.num_preemptions,
                rounds=r.spec_rounds,

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 
-def _filtered_logits(logits, temperature, top_k, top_p):
-  """Scale by temperature and mask outside top-k / top-p. Returns (masked sorted logits,
-  sorted token ids), both [S, V]."""
+def _filtered_logits(logits, temperature, top_k, top_p, min_p=None):
+  """Scale by temperature and mask outside top-k / top-p (and below min_p times the most
+  likely token's probability, when given). Returns (masked sorted logits, sorted token
+  ids), both [S, V]."""
   V = logits.shape[-1]
   t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
   scaled = logits / t
@@ -24,13 +25,16 @@ def _filtered_logits(logits, temperature, top_k, top_p):
   probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
   keep &= (before < top_p[:, None]) | (rank == 0)
+  if min_p is not None:  # relative to the most likely token, after temperature (vLLM)
+    p_all = jax.nn.softmax(srt, axis=-1)
+    keep &= (p_all >= min_p[:, None] * p_all[:, :1]) | (rank == 0)
   return jnp.where(keep, srt, -jnp.inf), order
 
 
-def filtered_probs(logits, temperature, top_k, top_p):
+def filtered_probs(logits, temperature, top_k, top_p, min_p=None):
   """The distribution actually sampled from, [S, V] in vocabulary order (speculative
   verification applies the same filter to target and draft, 8.5.1)."""
-  masked, order = _filtered_logits(logits, temperature, top_k, top_p)
+  masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
   p_sorted = jax.nn.softmax(masked, axis=-1)
   rows = jnp.arange(logits.shape[0])[:, None]
   return jnp.zeros_like(p_sorted).at[rows, order].set(p_sorted)
@@ -40,12 +44,12 @@ def row_keys(seed, counter):
   return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, counter)
 
 
-def _sample_ids(logits, temperature, top_k, top_p, seed, counter):
+def _sample_ids(logits, temperature, top_k, top_p, seed, counter, min_p=None):
   """(sampled ids [S], argmax ids [S]): greedy rows take the argmax."""
   greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def draw(_):
-    masked, order = _filtered_logits(logits, temperature, top_k, top_p)
+    masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(row_keys(seed, counter))
     pick = jnp.argmax(masked + g, axis=-1)
     ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
@@ -84,37 +88,57 @@ def rejection_sample(p, q, draft, key):
   return jnp.where(accepted, draft.astype(jnp.int32), resample), accepted
 
 
+def unpack_bits(packed, V):
+  """[S, ceil(V/32)] int32 -> [S, V] bool: bit t % 32 of word t // 32 is token t."""
+  bits = (packed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  return bits.reshape(packed.shape[0], -1)[:, :V].astype(bool)
+
+
 def apply_token_mask(logits, token_mask):
-  """Logits of disallowed tokens -> -inf. token_mask [S, ceil(V/32)] int32: bit t % 32 of
-  word t // 32 is token t (structured output; all ones = unconstrained)."""
-  S, V = logits.shape
-  bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-  allowed = bits.reshape(S, -1)[:, :V].astype(bool)
-  return jnp.where(allowed, logits, -jnp.inf)
+  """Logits of disallowed tokens -> -inf. token_mask [S, ceil(V/32)] int32 (packed bits;
+  structured output and min_tokens; all ones = unconstrained)."""
+  return jnp.where(unpack_bits(token_mask, logits.shape[-1]), logits, -jnp.inf)
 
 
-def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None):
+def apply_penalties(logits, seen, repetition, logit_add):
+  """The repetition penalty over every token seen (prompt and output; `seen` packed bits
+  like a token mask): a positive logit is divided by it, a negative one multiplied (vLLM,
+  CTRL); then `logit_add` [S, V]: the host's sum of logit_bias and the presence /
+  frequency penalties, -(frequency * count + presence * [count > 0]) over the output."""
+  seen = unpack_bits(seen, logits.shape[-1])
+  rep = repetition[:, None]
+  logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+  return logits + logit_add
+
+
+TOP_LOGPROBS = 20  # alternatives a step returns per row when any request asks (OpenAI's max)
+
+
+def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None,
+           min_p=None, raw_logits=None):
   """Sample every logits row; rows with a draft token (draft_ids >= 0) also verify it.
 
   token_mask (structured output): tokens outside it are never sampled and a draft
   outside it is rejected like any mismatch; the returned logprob stays the model's own
-  (unmasked) log-probability of the token, as vLLM's default reports it.
+  (unmasked) log-probability of the token, as vLLM's default reports it. min_p: per-row
+  min-p filter. raw_logits: the model's logits when `logits` were processed (penalties,
+  logit_bias): logprobs are reported under them.
 
   The drafters here draft deterministically (greedy draft model, context lookup), so q
   is a point mass on the draft token and rejection_sample accepts it with probability
   p(x) and otherwise resamples from p without x: exact for any temperature / top-k /
   top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
   the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
-  raw = logits
+  raw = logits if raw_logits is None else raw_logits
   if token_mask is not None:
     logits = apply_token_mask(logits, token_mask)
-  ids, greedy_ids = _sample_ids(logits, temperature, top_k, top_p, seed, counter)
+  ids, greedy_ids = _sample_ids(logits, temperature, top_k, top_p, seed, counter, min_p)
   has = draft_ids >= 0
   d = jnp.where(has, draft_ids, 0)
   greedy_ok = greedy_ids == d
 
   def lossless(_):
-    p = filtered_probs(logits, temperature, top_k, top_p)
+    p = filtered_probs(logits, temperature, top_k, top_p, min_p)
     q = jax.nn.one_hot(d, logits.shape[-1], dtype=p.dtype)
     keys = row_keys(seed, counter)
     tok, acc = jax.vmap(lambda pp, qq, dd, kk: rejection_sample(pp[None], qq[None], dd[None], kk))(

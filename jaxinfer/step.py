@@ -18,13 +18,24 @@ from jaxinfer.model import transformer
 def sample_packed(logits, inputs):
   """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
   (token id, logprob, draft accepted), the step's one device -> host copy (what
-  `StepResult.packed` holds). A step of constrained requests carries `token_mask`
-  (structured output); its presence is part of the traced structure, so a step without
-  one compiles and runs without the masking."""
+  `StepResult.packed` holds); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]: then
+  the 20 most likely token ids and their logprobs. Optional inputs are part of the traced
+  structure, so a step without them compiles and runs without that work:
+  `token_mask` (structured output, min_tokens); `min_p`, `repetition`, `seen` and
+  `logit_add` (penalties, logit_bias, min_p: one group)."""
+  raw = logits
+  if "logit_add" in inputs:
+    logits = sampling.apply_penalties(logits, inputs["seen"], inputs["repetition"],
+                                      inputs["logit_add"])
   ids, lp, accepted = sampling.verify(logits, inputs["temperature"], inputs["top_k"],
                                       inputs["top_p"], inputs["seed"], inputs["counter"],
-                                      inputs["draft_ids"], inputs.get("token_mask"))
-  return jnp.stack([ids.astype(jnp.float32), lp, accepted.astype(jnp.float32)], axis=-1)
+                                      inputs["draft_ids"], inputs.get("token_mask"),
+                                      inputs.get("min_p"), raw)
+  cols = [ids.astype(jnp.float32)[:, None], lp[:, None], accepted.astype(jnp.float32)[:, None]]
+  if "top_logprobs" in inputs:
+    top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(raw, axis=-1), sampling.TOP_LOGPROBS)
+    cols += [top_ids.astype(jnp.float32), top_lp]
+  return jnp.concatenate(cols, axis=-1)
 
 
 def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
@@ -43,7 +54,8 @@ model_step = jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "re
 # fills the token masks while the device runs the forward (the masks need every token
 # up to the step, not the step's own results): forward -> logits stay on the device,
 # then masked sampling / verification of those logits.
-SAMPLE_KEYS = ("temperature", "top_k", "top_p", "seed", "counter", "draft_ids", "token_mask")
+SAMPLE_KEYS = ("temperature", "top_k", "top_p", "seed", "counter", "draft_ids", "min_p",
+               "repetition", "seen", "logit_add", "top_logprobs", "token_mask")
 
 
 def _forward(params, pool, inputs, *, cfg, attn_shape, backend):

@@ -188,8 +188,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server, client):
     (dict(max_tokens=0), "max_tokens", "below the minimum 1"),
     (dict(max_tokens=10_000), "max_tokens", "above the maximum 512"),
     (dict(top_p=0), "top_p", "must be > 0"),
-    (dict(presence_penalty=0.5), "presence_penalty", "not supported"),
-    (dict(logprobs=5), "logprobs", "only the sampled token"),
+    (dict(presence_penalty=2.5), "presence_penalty", "above the maximum 2.0"),
+    (dict(logprobs=21), "logprobs", "above the maximum 20"),
+    (dict(logit_bias={"x": 1}), "logit_bias", "not a token id"),
+    (dict(logit_bias={"5": 200}), "logit_bias", "[-100, 100]"),
+    (dict(logit_bias={"999999": 1}), "logit_bias", "outside the vocabulary"),
+    (dict(extra_body={"min_tokens": 9}), "min_tokens", "above the maximum 4"),
+    (dict(echo=True), "echo", "not supported"),
     (dict(n=0), "n", "below the minimum 1"),
 ])
 def test_bad_parameters_are_400_naming_field_value_and_limit(client, kw, param, words):
@@ -242,6 +247,27 @@ def test_structured_output_response_format_and_guided_extras(client, offline):
     with pytest.raises(openai.BadRequestError) as e:
       client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
     assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+def test_top_logprobs_penalties_and_min_tokens_equal_offline(client, offline):
+  msgs = [{"role": "user", "content": "Name three animals."}]
+  sp = SamplingParams(max_tokens=12, logprobs=3, frequency_penalty=0.8, repetition_penalty=1.3,
+                      min_tokens=10, logit_bias=((504, -5.0),))
+  want = offline.chat([msgs], sp)[0]
+  got = client.chat.completions.create(
+      model=MODEL, messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+      frequency_penalty=0.8, logit_bias={"504": -5},
+      extra_body={"repetition_penalty": 1.3, "min_tokens": 10})
+  ch = got.choices[0]
+  assert ch.message.content == want.text and len(ch.logprobs.content) == len(want.token_ids)
+  for item, alts in zip(ch.logprobs.content, want.top_logprobs):
+    assert len(item.top_logprobs) == 3
+    assert [a.logprob for a in item.top_logprobs] == pytest.approx([v for _, v in alts],
+                                                                  abs=1e-3)
+  c = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0,
+                                logprobs=2)
+  tops = c.choices[0].logprobs.top_logprobs
+  assert len(tops) == 4 and all(1 <= len(t) <= 2 for t in tops)
 
 
 def test_long_prompt_unknown_model_and_wrong_key(server, client):

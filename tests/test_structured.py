@@ -89,6 +89,10 @@ def test_bad_constraints_fail_before_anything_is_queued(smollm2):
                        SamplingParams(max_tokens=8, grammar='start: "x" | "yz"')])
   assert outs[0].text in ("a", "bc") and outs[1].text in ("x", "yz")
   assert all(o.finish_reason == "stop" for o in outs)
+  # Stop strings still cut a constrained answer.
+  o = llm.generate("Say something.", SamplingParams(max_tokens=16, regex="hello world[.!]",
+                                                    stop=" world"))[0]
+  assert o.text == "hello" and o.finish_reason == "stop"
 
 
 def _run_schemas(llm, expect_free):

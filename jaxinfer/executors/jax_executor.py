@@ -95,8 +95,8 @@ class JaxExecutor:
       logits, self.pool = forward_step(self.params, self.pool, arrays, cfg=self.cfg,
                                        attn_shape=step.bucket.attn_shape, backend=self.backend)
       mask = step.mask_fn()  # host work while the device runs the forward
-      out = masked_sample_step(logits, dict({k: arrays[k] for k in SAMPLE_KEYS[:-1]},
-                                            token_mask=mask))
+      out = masked_sample_step(logits, dict({k: arrays[k] for k in SAMPLE_KEYS[:-1]
+                                             if k in arrays}, token_mask=mask))
       return out, t0
     out, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
                                 attn_shape=step.bucket.attn_shape, backend=self.backend,

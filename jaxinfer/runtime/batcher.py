@@ -30,6 +30,12 @@ class SeqWork:
   seed: int = 0
   sample_index: int = 0  # output index of the first sampled token (seeds the RNG stream)
   num_draft: int = 0  # trailing tokens that are drafts to verify (speculative decoding)
+  # Logits processing (SamplingParams' fields of the same names); prompt / output: the
+  # request's token ids so far (the penalties count them).
+  sampling: Optional[object] = None  # SamplingParams, when it processes logits
+  prompt_ids: Sequence[int] = ()
+  output_ids: Sequence[int] = ()
+  top_logprobs: bool = False  # return the 20 most likely tokens of each logits row
 
 
 @dataclasses.dataclass
@@ -77,7 +83,8 @@ def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0) -> Dict[st
 
 
 def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
-         num_pages: int) -> StepInput:
+         num_pages: int, vocab_size: int = 0) -> StepInput:
+  """vocab_size: needed when a work processes logits (penalties, logit_bias, min_p)."""
   if not works:
     raise ValueError("cannot pack an empty step")
   n_tok = sum(len(w.token_ids) for w in works)
@@ -137,7 +144,47 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   for r in range(R):
     if r not in used:
       query_start[r] = t
+  if any(w.sampling is not None for w in works):
+    _pack_processing(a, works, b.num_logits, vocab_size)
+  if any(w.top_logprobs for w in works):
+    a["top_logprobs"] = np.zeros(b.num_logits, np.int32)  # a flag: its presence
   return StepInput(arrays=a, bucket=b, logits_rows=rows, num_tokens=n_tok)
+
+
+def _pack_processing(a, works: Sequence[SeqWork], S: int, V: int) -> None:
+  """The logits-processing group, per logits row: min_p [S], repetition [S], seen [S,
+  words] (packed bits of the prompt and output tokens), logit_add [S, V] (logit_bias minus
+  the presence / frequency penalties over the output). A row verifying draft j counts the
+  drafts before it as output (they are, if it is reached)."""
+  if V <= 0:
+    raise ValueError("pack: vocab_size is needed for penalties, logit_bias or min_p")
+  words = (V + 31) // 32
+  a["min_p"] = np.zeros(S, np.float32)
+  a["repetition"] = np.ones(S, np.float32)
+  a["seen"] = np.zeros((S, words), np.int32)
+  a["logit_add"] = np.zeros((S, V), np.float32)
+  i = 0
+  for w in works:
+    sp = w.sampling
+    if sp is None:
+      i += w.num_logits
+      continue
+    n = len(w.token_ids)
+    drafts = list(w.token_ids[n - w.num_draft:]) if w.num_draft else []
+    bias = np.zeros(V, np.float32)
+    for tok, v in sp.logit_bias or ():
+      bias[tok] += v
+    for j in range(w.num_logits):
+      out = np.asarray(list(w.output_ids) + drafts[:j], np.int64)
+      counts = np.bincount(out, minlength=V)[:V].astype(np.float32)
+      a["logit_add"][i] = bias - sp.frequency_penalty * counts - \
+          sp.presence_penalty * (counts > 0)
+      seen = np.zeros(words * 32, np.uint8)
+      seen[np.asarray(w.prompt_ids, np.int64)] = 1
+      seen[out] = 1
+      a["seen"][i] = np.packbits(seen, bitorder="little").view(np.int32)
+      a["min_p"][i], a["repetition"][i] = sp.min_p, sp.repetition_penalty
+      i += 1
 
 
 def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,

@@ -81,7 +81,7 @@ def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Reques
       elif g is not None:  # cannot happen for a token sampled under the mask
         r.error = g
         reason = "constraint"
-    elif sp.stop and tokenizer is not None:
+    if reason is None and sp.stop and tokenizer is not None:
       text = tokenizer.decode(r.output_token_ids)
       for s in sp.stop:
         i = text.find(s)
@@ -204,6 +204,10 @@ class Engine:
       raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     ids = self._check_token_ids(prompt_token_ids)
     self.check_request(len(ids), sampling)
+    hi = self.executor.vocab_size
+    for t, _ in sampling.logit_bias or ():
+      if hi is not None and t >= hi:
+        raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {hi})")
     if sampling.constraint is not None:  # compiles (cached): an invalid one is a ValueError
       self.grammar_compiler().compile(*sampling.constraint)
     return ids
@@ -378,13 +382,18 @@ class Engine:
                      num_logits=s.num_logits, temperature=s.request.sampling.temperature,
                      top_k=s.request.sampling.top_k, top_p=s.request.sampling.top_p,
                      seed=s.request.seed, sample_index=len(s.request.output_token_ids),
-                     num_draft=len(s.draft))
+                     num_draft=len(s.draft),
+                     sampling=s.request.sampling if s.request.sampling.processes_logits
+                     else None, prompt_ids=s.request.prompt_token_ids,
+                     output_ids=s.request.output_token_ids,
+                     top_logprobs=bool(s.request.sampling.logprobs))
              for s in plan.seqs]
     if ex.virtual_clock:  # no arrays: the simulator sees the bucket only
       b = select_bucket(works, self.buckets, self.pm.page_size)
       step = StepInput(arrays={}, bucket=b, logits_rows=[], num_tokens=plan.num_tokens)
     else:
-      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
+      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages,
+                  vocab_size=ex.vocab_size or 0)
       b = step.bucket
       step.mask_fn = self._mask_fn(plan, b.num_logits)
     step_id = self._launching_step = self.pm.begin_step([s.request.request_id
@@ -404,26 +413,38 @@ class Engine:
     device computes. A request whose constraint allows no next token is ended there
     (finish_reason "constraint"; its row is left all ones and its token discarded, never
     emitted), and its pages return when the step completes."""
-    rows, n = [], 0
+    rows, short, n = [], [], 0
     for s in plan.seqs:
       if s.request.grammar is not None and s.num_logits:
         rows.append((s, n))
+      if s.num_logits and len(s.request.output_token_ids) < s.request.sampling.min_tokens:
+        short.append((s, n))
       n += s.num_logits
-    if not rows:
+    if not rows and not short:
       return None
 
     def fill() -> np.ndarray:
       from jaxinfer.structured import unconstrained_rows
       t0 = time.perf_counter()
-      comp = self.grammar_compiler()
-      mask = unconstrained_rows(num_rows, comp.vocab_size)
-      comp.fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
-      for s, i in rows:
-        if mask[i].any():
+      mask = unconstrained_rows(num_rows, self.executor.vocab_size)
+      if rows:
+        self.grammar_compiler().fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
+      bits = mask.view(np.uint32)
+      for s, i in short:  # min_tokens: nothing may end the output yet
+        sp = s.request.sampling
+        ends = set(self._eos_token_ids) | set(sp.stop_token_ids)
+        for j in range(s.num_logits):
+          if len(s.request.output_token_ids) + j < sp.min_tokens:
+            for t in ends:
+              bits[i + j, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+      for s, i in rows + short:
+        if s.request.state.done or mask[i].any():
           continue
         mask[i:i + s.num_logits] = -1
         r = s.request
-        why = (r.grammar.error or f"no token satisfies the {r.grammar.kind} constraint after "
+        kind = r.grammar.kind if r.grammar is not None else "min_tokens"
+        why = ((r.grammar.error if r.grammar is not None else None) or
+               f"no token satisfies the {kind} constraint after "
                f"{len(r.output_token_ids)} output tokens")
         log.warning("request %s: %s", r.request_id, why)
         now = self.now()
@@ -447,7 +468,11 @@ class Engine:
     end = self.now()
     self.pm.complete_step(f.step_id)
     self._in_flight = None
-    sampled = [(result.packed[i, 0], result.packed[i, 1], bool(result.packed[i, 2]))
+    P = result.packed
+    K = (P.shape[1] - 3) // 2  # top-N alternatives returned (0 unless a request asked)
+    sampled = [(P[i, 0], P[i, 1], bool(P[i, 2]),
+                [(int(t), float(lp)) for t, lp in zip(P[i, 3:3 + K], P[i, 3 + K:])] if K
+                else None)
                for i in range(sum(s.num_logits for s in f.plan.seqs))]
     finite = np.isfinite(result.packed[:len(sampled), 1])
     if not finite.all():  # non-finite logits (damaged weights, overflow) fail the request

@@ -51,6 +51,8 @@ class Request:
   state: State = State.WAITING
   output_token_ids: List[int] = dataclasses.field(default_factory=list)
   logprobs: List[float] = dataclasses.field(default_factory=list)
+  top_logprobs: List[list] = dataclasses.field(default_factory=list)  # [(token, logprob)]
+  # per output token, the sampling.logprobs most likely (when it asks for them)
   num_computed: int = 0  # tokens whose K/V are in this request's pages
   admitted_at: Optional[float] = None
   first_admitted_at: Optional[float] = None

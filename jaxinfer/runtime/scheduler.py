@@ -350,8 +350,8 @@ class Scheduler:
   # --- after the step ---------------------------------------------------------------------
   def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float, bool]], now: float,
                   stop_check: Callable[[Request], Optional[str]]) -> List[Tuple[Request, int]]:
-    """Apply a step's results. `sampled` has one (token, logprob, draft accepted) per
-    logits row, in plan order. A verified draft keeps its longest accepted prefix plus the
+    """Apply a step's results. `sampled` has one (token, logprob, draft accepted, top-N
+    [(token, logprob)] or None) per logits row, in plan order. A verified draft keeps its longest accepted prefix plus the
     target's correction or bonus token (8.5.1); the KV of rejected positions is rolled
     back. Returns (request, tokens emitted) for requests that got tokens."""
     it = iter(sampled)
@@ -365,11 +365,11 @@ class Scheduler:
         r.num_computed = s.start + s.num_tokens
         continue
       new = []
-      for j, (tok, lp, acc) in enumerate(rows):
+      for j, (tok, lp, acc, top) in enumerate(rows):
         if j < len(s.draft) and acc:
-          new.append((s.draft[j], lp))
+          new.append((s.draft[j], lp, top))
           continue
-        new.append((int(tok), lp))
+        new.append((int(tok), lp, top))
         break
       if s.draft:
         n_acc = len(new) - 1
@@ -391,9 +391,11 @@ class Scheduler:
       if r.state == State.PREFILL:
         r.set_state(State.DECODE)
       count = 0
-      for tok, lp in new:
+      for tok, lp, top in new:
         r.output_token_ids.append(int(tok))
         r.logprobs.append(float(lp))
+        if top is not None and r.sampling.logprobs:
+          r.top_logprobs.append(top[:r.sampling.logprobs])
         r.token_times.append(now)
         count += 1
         reason = stop_check(r)

@@ -93,7 +93,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     except ValueError as e:
       if sp.constraint is not None and str(e).startswith(f"invalid {sp.constraint[0]}"):
         raise bad(extras["constraint_param"], str(e)) from None  # the grammar did not compile
-      raise bad("prompt", str(e)) from None
+      raise bad("logit_bias" if str(e).startswith("logit_bias") else "prompt", str(e)) from None
     return sp
 
   async def _start(request: Request, prompts: List[List[int]], sps, extras, texts):
@@ -138,17 +138,26 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
                       type_="service_unavailable")
     return None
 
-  def _lp_chat(tokens, lps):
+  def _piece(t):
+    return tokenizer.decode([t], skip_special_tokens=False)
+
+  def _lp_chat(tokens, lps, tops):
     out = []
-    for t, lp in zip(tokens, lps):
-      s = tokenizer.decode([t], skip_special_tokens=False)
+    for k, (t, lp) in enumerate(zip(tokens, lps)):
+      s = _piece(t)
+      alts = tops[k] if k < len(tops) else []
       out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                  "top_logprobs": []})
+                  "top_logprobs": [{"token": _piece(a), "logprob": alp,
+                                    "bytes": list(_piece(a).encode("utf-8"))}
+                                   for a, alp in alts]})
     return out
 
-  def _lp_completion(tokens, lps):
-    toks = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
-    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": None,
+  def _lp_completion(tokens, lps, tops):
+    toks = [_piece(t) for t in tokens]
+    top = None
+    if tops:  # one {token text: logprob} per token (pieces that decode alike merge)
+      top = [{_piece(a): alp for a, alp in reversed(alts)} for alts in tops]
+    return {"tokens": toks, "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": []}
 
   async def _run(request: Request, chat: bool):
@@ -187,6 +196,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     texts = [""] * len(rids)
     toks: List[List[int]] = [[] for _ in rids]
     lps: List[List[float]] = [[] for _ in rids]
+    tops: List[list] = [[] for _ in rids]
     reasons: List[Optional[str]] = [None] * len(rids)
     left = len(rids)
     try:
@@ -200,6 +210,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
         texts[i] += u.text
         toks[i] += u.token_ids
         lps[i] += u.logprobs
+        tops[i] += u.top_logprobs
         if u.finish_reason is not None:
           err = _refusal(u)
           if err is not None:
@@ -216,7 +227,8 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     for i in range(len(rids)):
       lp = None
       if extras["logprobs"]:
-        lp = {"content": _lp_chat(toks[i], lps[i])} if chat else _lp_completion(toks[i], lps[i])
+        lp = ({"content": _lp_chat(toks[i], lps[i], tops[i])} if chat else
+              _lp_completion(toks[i], lps[i], tops[i]))
       if chat:
         choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
                         "logprobs": lp, "finish_reason": reasons[i]})
@@ -234,10 +246,11 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     obj = "chat.completion.chunk" if chat else "text_completion"
     t_created = int(time.time())
 
-    def chunk(i, text, reason=None, toks=(), lps=(), first=False):
+    def chunk(i, text, reason=None, toks=(), lps=(), tops=(), first=False):
       lp = None
       if extras["logprobs"] and toks:
-        lp = {"content": _lp_chat(toks, lps)} if chat else _lp_completion(toks, lps)
+        lp = ({"content": _lp_chat(toks, lps, tops)} if chat else
+              _lp_completion(toks, lps, tops))
       if chat:
         delta = {"role": "assistant", "content": text} if first else (
             {"content": text} if text or reason is None else {})
@@ -270,11 +283,11 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
               service.abort(x)
             break
           if u.text or u.token_ids:
-            yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs)
+            yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs)
           yield chunk(i, "", reason=u.finish_reason)
           left -= 1
         elif u.text or (extras["logprobs"] and u.token_ids):
-          yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs)
+          yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs)
       if extras["include_usage"]:
         n_prompt = extras["prompt_tokens"]
         yield _sse({"id": rid, "object": obj, "created": t_created, "model": model_name,

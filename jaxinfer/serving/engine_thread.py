@@ -33,6 +33,7 @@ class Update:
   logprobs: List[float]
   finish_reason: Optional[str] = None
   error: Optional[str] = None
+  top_logprobs: List[list] = dataclasses.field(default_factory=list)  # when asked for
 
 
 class QueueFullError(RuntimeError):
@@ -153,6 +154,7 @@ class EngineService:
         continue
       new = r.output_token_ids[t.sent:n]
       lps = r.logprobs[t.sent:n]
+      tops = r.top_logprobs[t.sent:n]
       t.sent = n
       text = ""
       if t.detok is not None:  # at the end, the engine's text (cut at a stop string) rules
@@ -160,11 +162,11 @@ class EngineService:
       if finished:
         self._dequeue(t)
         done.append(rid)
-        upd = Update(text, new, lps, r.finish_reason, r.error or r.reject_reason)
+        upd = Update(text, new, lps, r.finish_reason, r.error or r.reject_reason, tops)
         if self.metrics is not None:
           self.metrics.on_finish(r)
       else:
-        upd = Update(text, new, lps)
+        upd = Update(text, new, lps, top_logprobs=tops)
       try:
         t.deliver(upd)
       except Exception:  # noqa: BLE001 -- a closed event loop must not stop the engine

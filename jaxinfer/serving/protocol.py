@@ -90,30 +90,48 @@ def sampling_from_body(body: Dict[str, Any], *, chat: bool, max_model_len: int,
   if not isinstance(stop_ids, list) or not all(
       isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids):
     raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
-  for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
-                        ("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0),
-                        ("logit_bias", {}), ("echo", False), ("suffix", None),
-                        ("tools", [])):
+  for name, neutral in (("echo", False), ("suffix", None), ("tools", [])):
     _unsupported(body, name, neutral)
+  presence = _num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
+  frequency = _num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
+  repetition = _num(body, "repetition_penalty", 1.0, lo=0.0)
+  if repetition == 0.0:
+    raise bad("repetition_penalty", "repetition_penalty must be > 0 (1 = off)")
+  min_p = _num(body, "min_p", 0.0, lo=0.0, hi=1.0)
+  min_tokens = _num(body, "min_tokens", 0, lo=0, hi=max_tokens, integer=True)
+  logit_bias = body.get("logit_bias") or {}
+  if not isinstance(logit_bias, dict):
+    raise bad("logit_bias", f"logit_bias must map token ids to biases, got {logit_bias!r}")
+  bias = {}
+  for k, v in logit_bias.items():  # JSON keys are strings: "50256": -100
+    try:
+      tok = int(k)
+    except (TypeError, ValueError):
+      raise bad("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -100 <= v <= 100:
+      raise bad("logit_bias", f"logit_bias[{k}] = {v!r} must be a number in [-100, 100]")
+    bias[tok] = float(v)
   if body.get("best_of") not in (None, 1, n):
     raise bad("best_of", f"best_of = {body['best_of']!r} is not supported (only best_of == n)")
-  # logprobs: the sampled token's logprob is returned; top-N alternatives are not kept.
+  # logprobs: the sampled token's, and top-N alternatives per token (N <= 20).
   if chat:
     want_lp = body.get("logprobs", False)
     if not isinstance(want_lp, bool):
       raise bad("logprobs", f"logprobs must be a boolean, got {want_lp!r}")
-    _unsupported(body, "top_logprobs", 0, "more alternatives than this server keeps")
+    top_n = _num(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
+    if top_n and not want_lp:
+      raise bad("top_logprobs", "top_logprobs needs logprobs: true")
   else:
     lp = _num(body, "logprobs", None, lo=0, hi=20, integer=True)
-    if lp:
-      raise bad("logprobs", f"logprobs = {lp} asks for {lp} alternatives per token; this "
-                "server returns only the sampled token's logprob (use logprobs=0)")
-    want_lp = lp is not None
+    want_lp, top_n = lp is not None, lp or 0
   constraint, constraint_param = constraint_from_body(body)
   try:
     sp = SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
                         max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(stop_ids),
-                        ignore_eos=ignore_eos, **constraint)
+                        ignore_eos=ignore_eos, min_p=min_p, presence_penalty=presence,
+                        frequency_penalty=frequency, repetition_penalty=repetition,
+                        min_tokens=min_tokens, logit_bias=bias or None,
+                        logprobs=top_n or None, **constraint)
   except ValueError as e:
     param = constraint_param if constraint and any(
         k in str(e) for k in ("json", "regex", "grammar", "choice", "constraint")) else \
