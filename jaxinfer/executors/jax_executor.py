@@ -35,7 +35,7 @@ class JaxExecutor:
     the token masks on the host meanwhile, then samples under them (two executables per
     shape); False: masks first, then one fused step. Default: overlap on accelerators;
     not on XLA:CPU, where the host and the "device" share the same cores (measured in
-    tools/bench_structured.py: the overlapped step was slower there)."""
+    tools/bench_sampling.py: the overlapped step was slower there)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params

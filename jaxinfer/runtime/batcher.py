@@ -163,32 +163,31 @@ def _pack_processing(a, works: Sequence[SeqWork], S: int, V: int) -> None:
   a["repetition"] = np.ones(S, np.float32)
   a["seen"] = np.zeros((S, words), np.int32)
   a["logit_add"] = np.zeros((S, V), np.float32)
+  seen_bits = a["seen"].view(np.uint32)
   i = 0
-  for w in works:
+  for w in works:  # sparse updates: O(tokens of the request), not O(vocabulary)
     sp = w.sampling
     if sp is None:
       i += w.num_logits
       continue
     n = len(w.token_ids)
     drafts = list(w.token_ids[n - w.num_draft:]) if w.num_draft else []
-    bias = np.zeros(V, np.float32)
-    for tok, v in sp.logit_bias or ():
-      bias[tok] += v
+    bias = np.asarray(sp.logit_bias or (), np.float64).reshape(-1, 2)
+    prompt = np.unique(np.asarray(w.prompt_ids, np.int64))
     for j in range(w.num_logits):
-      out = np.asarray(list(w.output_ids) + drafts[:j], np.int64)
-      counts = np.bincount(out, minlength=V)[:V].astype(np.float32)
-      a["logit_add"][i] = bias - sp.frequency_penalty * counts - \
-          sp.presence_penalty * (counts > 0)
-      seen = np.zeros(words * 32, np.uint8)
-      seen[np.asarray(w.prompt_ids, np.int64)] = 1
-      seen[out] = 1
-      a["seen"][i] = np.packbits(seen, bitorder="little").view(np.int32)
+      toks, counts = np.unique(np.asarray(list(w.output_ids) + drafts[:j], np.int64),
+                               return_counts=True)
+      row = a["logit_add"][i]
+      row[toks] -= sp.frequency_penalty * counts + sp.presence_penalty
+      row[bias[:, 0].astype(np.int64)] += bias[:, 1]
+      idx = np.union1d(prompt, toks)
+      np.bitwise_or.at(seen_bits[i], idx >> 5, (1 << (idx & 31)).astype(np.uint32))
       a["min_p"][i], a["repetition"][i] = sp.min_p, sp.repetition_penalty
       i += 1
 
 
 def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,
-               pages_per_request: int = 0) -> StepInput:
+               pages_per_request: int = 0, vocab_size: int = 0) -> StepInput:
   """Pack works at exactly their own shape: one bucket of their tokens, request slots,
   longest query and pages per request (at least pages_per_request: a fixed width keeps
   one compiled shape while contexts grow). For benchmarks, tools and tests that run a
@@ -202,4 +201,4 @@ def pack_exact(works: Sequence[SeqWork], page_size: int, num_pages: int,
   table = BucketTable(token_sizes=(sum(lens),), request_sizes=(len(works),),
                       page_table_sizes=(pages,), query_sizes=(max(lens),),
                       prefill_slot_sizes=(max(n_pre, 1),))
-  return pack(works, table, page_size, num_pages)
+  return pack(works, table, page_size, num_pages, vocab_size)

@@ -1,6 +1,6 @@
 """Grammar compilation and token bitmasks over llguidance.
 
-Why llguidance (`tools/grammar_bench.py` measures it against outlines-core on this
+Why llguidance (`tools/bench_sampling.py` measures it against outlines-core on this
 project's 20 JSON Schemas at SmolLM2's 49,152-token vocabulary; the README has the
 table): it compiles JSON Schema, regular expressions and context-free grammars (Lark,
 and llama.cpp's GBNF) lazily — no DFA over the whole vocabulary up front, so a schema

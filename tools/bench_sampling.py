@@ -1,6 +1,7 @@
-"""Structured output on this machine: which grammar library, and what masking costs a step.
+"""Structured output and logits processing on this machine: which grammar library, and
+what each kind of per-request processing costs a decode step.
 
-  python tools/bench_structured.py [--batch_sizes=1,16] [--output_dir=DIR]
+  python tools/bench_sampling.py [--batch_sizes=1,16] [--output_dir=DIR]
 
 1. Library choice, on configs/structured/schemas.json (20 JSON Schemas) at SmolLM2's
    49,152-token vocabulary: llguidance (what jaxinfer uses) and, when installed,
@@ -9,11 +10,14 @@
    grammar built and ready for its first mask) and the time to fill one token's mask,
    along a valid instance (SmolLM2's own constrained answer, re-serialized compactly so
    both libraries' JSON whitespace rules accept it, and tokenized canonically).
-2. The step overhead: steady decode steps of `batch` requests, all free vs all under a
-   JSON-string constraint (the widest masks: almost every token allowed), same prompts,
-   same lengths; median step time and the ratio constrained / free, the host's mask-fill
-   time per step, beside this machine's bandwidth and compute floors for that step and
-   HF transformers' decode step at the same batch and context (same run).
+2. The step overhead: steady decode steps of `batch` requests, all free vs all under one
+   kind of processing, same prompts, same lengths: a JSON-string constraint (the widest
+   masks: almost every token allowed; masks filled before one fused step or while the
+   forward runs), penalties (presence + frequency + repetition: the dense additive row
+   and the seen-token bits), top-20 logprobs. Median step time (host packing included)
+   and its ratio to the free step, the host's mask-fill time per step, beside this
+   machine's bandwidth and compute floors for that step and HF transformers' decode step
+   at the same batch and context (same run).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ flags.DEFINE_bool("hf", True, "time HF transformers' decode step in the same run
 flags.DEFINE_bool("libraries", True, "run the library comparison")
 flags.DEFINE_list("overlap_masks", ["false", "true"], "executor modes to time: false = masks "
                   "filled before one fused step, true = filled while the forward runs")
-flags.DEFINE_string("output_dir", "", "write bench_structured.json here")
+flags.DEFINE_string("output_dir", "", "write bench_sampling.json here")
 
 STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
          "required": ["story"]}
@@ -123,37 +127,44 @@ def _bench_outlines(llm, inst):
   return "outlines-core", setup, rows
 
 
-def _overhead(llm, B, hf, costs, bw, rate):
+VARIANTS = {"json string": {"json_schema": STORY},
+            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5,
+                          "repetition_penalty": 1.2},
+            "top-20 logprobs": {"logprobs": 20}}
+
+
+def _steps(llm, prompts, extra):
+  """Median decode-step seconds of `prompts` all decoding under `extra`, and the host's
+  mask-fill seconds per step (a warm-up run first compiles this run's shapes)."""
   from jaxinfer.config import SamplingParams
+  sp = SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True, **extra)
+  eng = llm.engine
+  llm.generate(prompts, sp, chat=True)
+  n0, m0 = len(eng.steps), eng.mask_time_s
+  llm.generate(prompts, sp, chat=True)
+  steps = [s for s in eng.steps[n0:] if s.num_prefill_tokens == 0 and s.num_seqs == len(prompts)]
+  return (float(np.median([s.duration for s in steps])),
+          (eng.mask_time_s - m0) / max(len(eng.steps) - n0, 1))
+
+
+def _overhead(llm, B, variants, hf, costs, bw, rate):
   prompts = [f"Tell a long story about a lighthouse keeper number {i}." for i in range(B)]
-  res = {}
-  for name, extra in (("free", {}), ("constrained", {"json_schema": STORY})):
-    sp = SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True, **extra)
-    eng = llm.engine
-    llm.generate(prompts, sp, chat=True)  # compiles this run's shapes
-    n0, m0 = len(eng.steps), eng.mask_time_s
-    outs = llm.generate(prompts, sp, chat=True)
-    steps = [s for s in eng.steps[n0:] if s.num_prefill_tokens == 0 and s.num_seqs == B]
-    res[name] = dict(step_ms=1e3 * float(np.median([s.duration for s in steps])),
-                     steps=len(steps), mask_ms_per_step=1e3 * (eng.mask_time_s - m0) /
-                     max(len(eng.steps) - n0, 1))
-    if name == "constrained":
-      assert all(o.text.startswith('{"story"') or o.text.lstrip().startswith("{")
-                 for o in outs), [o.text[:40] for o in outs]
+  free, _ = _steps(llm, prompts, {})
   ctx = int(np.mean([len(llm.encode_prompt(p, chat=True)) for p in prompts])) + \
       FLAGS.decode_tokens // 2
   seqs = [(1, ctx)] * B
-  row = dict(batch=B, context=ctx, free_step_ms=res["free"]["step_ms"],
-             constrained_step_ms=res["constrained"]["step_ms"],
-             ratio=res["constrained"]["step_ms"] / res["free"]["step_ms"],
-             mask_fill_ms_per_step=res["constrained"]["mask_ms_per_step"],
-             bandwidth_floor_ms=1e3 * costs.step_bytes(seqs) / bw,
-             compute_floor_ms=1e3 * costs.step_flops(seqs) / rate(B),
-             hf_step_ms=None)
+  base = dict(batch=B, context=ctx, free_step_ms=1e3 * free,
+              bandwidth_floor_ms=1e3 * costs.step_bytes(seqs) / bw,
+              compute_floor_ms=1e3 * costs.step_flops(seqs) / rate(B), hf_step_ms=None)
   if hf is not None:
     from jaxinfer.benchmarking import hf_decode_step
-    row["hf_step_ms"] = 1e3 * hf_decode_step(hf, llm.cfg, B, ctx, 5)
-  return row
+    base["hf_step_ms"] = 1e3 * hf_decode_step(hf, llm.cfg, B, ctx, 5)
+  rows = []
+  for name in variants:
+    t, fill = _steps(llm, prompts, VARIANTS[name])
+    rows.append(dict(base, variant=name, overlap=llm.executor.overlap_masks,
+                     step_ms=1e3 * t, ratio=t / free, mask_fill_ms_per_step=1e3 * fill))
+  return rows
 
 
 def main(argv):
@@ -207,27 +218,28 @@ def main(argv):
     return rates[B]
 
   rows = []
-  for mode in FLAGS.overlap_masks:
+  for k, mode in enumerate(FLAGS.overlap_masks):
     if mode not in ("true", "false"):
       raise app.UsageError(f"--overlap_masks: 'true' or 'false', got {mode!r}")
     llm.executor.overlap_masks = mode == "true"
-    rows += [dict(overlap=mode == "true", **_overhead(llm, B, hf, costs, bw, rate))
-             for B in batches]
-  print("\nstructured output: steady decode step, free vs every request under a JSON "
-        "string constraint (ms; floors and HF from this run); overlap: masks filled while "
-        "the forward runs (two dispatches) or before one fused step")
-  print(f"{'overlap':>7} {'batch':>5} {'ctx':>5} {'free':>8} {'constr.':>8} {'ratio':>6} "
-        f"{'mask fill':>9} {'bw floor':>9} {'cmp floor':>9} {'HF':>8}")
+    variants = list(VARIANTS) if k == 0 else ["json string"]  # only masks overlap
+    for B in batches:
+      rows += _overhead(llm, B, variants, hf, costs, bw, rate)
+  print("\nsteady decode step, free vs every request under one kind of processing (ms; "
+        "floors and HF from this run); overlap: masks filled while the forward runs "
+        "(two dispatches) or before one fused step")
+  print(f"{'processing':<16} {'overlap':>7} {'batch':>5} {'ctx':>4} {'free':>7} {'step':>7} "
+        f"{'ratio':>6} {'mask fill':>9} {'bw floor':>8} {'cmp floor':>9} {'HF':>7}")
   for r in rows:
     hf_ms = "-" if r["hf_step_ms"] is None else f"{r['hf_step_ms']:.1f}"
-    print(f"{str(r['overlap']):>7} {r['batch']:>5} {r['context']:>5} {r['free_step_ms']:>8.1f} "
-          f"{r['constrained_step_ms']:>8.1f} {r['ratio']:>6.3f} "
-          f"{r['mask_fill_ms_per_step']:>9.2f} {r['bandwidth_floor_ms']:>9.1f} "
-          f"{r['compute_floor_ms']:>9.1f} {hf_ms:>8}")
+    print(f"{r['variant']:<16} {str(r['overlap']):>7} {r['batch']:>5} {r['context']:>4} "
+          f"{r['free_step_ms']:>7.1f} {r['step_ms']:>7.1f} {r['ratio']:>6.3f} "
+          f"{r['mask_fill_ms_per_step']:>9.2f} {r['bandwidth_floor_ms']:>8.1f} "
+          f"{r['compute_floor_ms']:>9.1f} {hf_ms:>7}")
   out["overhead"] = rows
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "bench_structured.json"), "w") as f:
+    with open(os.path.join(FLAGS.output_dir, "bench_sampling.json"), "w") as f:
       f.write(strict_json.dumps(out, indent=1))
 
 
