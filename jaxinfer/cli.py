@@ -24,6 +24,12 @@ flags.DEFINE_integer("top_k", 0, "0 = off")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
 flags.DEFINE_integer("seed", 0, "per-request seed (prompt i uses seed + i)")
 flags.DEFINE_multi_string("stop", [], "stop string; repeatable")
+flags.DEFINE_float("min_p", 0.0, "drop tokens below min_p x the top token's probability")
+flags.DEFINE_float("presence_penalty", 0.0, "-p for every token already in the output")
+flags.DEFINE_float("frequency_penalty", 0.0, "-f x the token's count in the output")
+flags.DEFINE_float("repetition_penalty", 1.0, "over prompt and output tokens (1 = off)")
+flags.DEFINE_integer("min_tokens", 0, "EOS cannot end an answer before this many tokens")
+flags.DEFINE_integer("logprobs", None, "--json: the N most likely tokens at each step (<= 20)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_enum("kv_format", "f32", ["f32", "bf16", "fp8", "q8_0", "q4_0"], "KV cache format")
 flags.DEFINE_enum("q_precision", "native", ["native", "kv"],
@@ -94,7 +100,12 @@ def _sampling_params(n):
   try:
     sps = [SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                           seed=FLAGS.seed + i, max_tokens=FLAGS.max_tokens,
-                          stop=tuple(FLAGS.stop), **constraint) for i in range(n)]
+                          stop=tuple(FLAGS.stop), min_p=FLAGS.min_p,
+                          presence_penalty=FLAGS.presence_penalty,
+                          frequency_penalty=FLAGS.frequency_penalty,
+                          repetition_penalty=FLAGS.repetition_penalty,
+                          min_tokens=FLAGS.min_tokens, logprobs=FLAGS.logprobs, **constraint)
+           for i in range(n)]
     if sps[0].constraint is not None:  # compiles without the tokenizer: before the load
       from jaxinfer.structured import check_constraint
       check_constraint(*sps[0].constraint)
