@@ -109,6 +109,10 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected_before_queueing():
                      ([1.0], "must be an integer"), ("hello", "not text")]:
     with pytest.raises(ValueError, match=re.escape(words)):
       eng.add_request(ids, SamplingParams(max_tokens=2))
+  from jaxinfer.runtime.engine import RequestTooLargeError
+  with pytest.raises(ValueError, match="the prompt is empty") as e:
+    eng.add_request([], SamplingParams(max_tokens=2))
+  assert not isinstance(e.value, RequestTooLargeError)  # nothing is too large there
   assert not eng.requests and not eng.scheduler.waiting  # nothing was queued
   eng.add_request([5, 99], SamplingParams(max_tokens=2))
   assert len(list(eng.stream())) == 2

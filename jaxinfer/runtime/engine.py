@@ -243,9 +243,10 @@ class Engine:
     return ids
 
   def check_request(self, n_prompt: int, sp: SamplingParams) -> None:
-    """Raise RequestTooLargeError if such a request could never run."""
+    """Raise RequestTooLargeError if such a request could never run (ValueError for an
+    empty prompt: nothing is too large there)."""
     if n_prompt < 1:
-      raise RequestTooLargeError("empty prompt: at least one token is needed")
+      raise ValueError("the prompt is empty: at least one token is needed")
     total = n_prompt + sp.max_tokens
     if total > self.max_model_len:
       raise RequestTooLargeError(
