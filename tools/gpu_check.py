@@ -1,8 +1,8 @@
 """Kernel check for a machine with an NVIDIA GPU: every ragged paged attention variant
 against its jnp reference on random inputs, timed (median of many runs after warm-up)
 against the memory-bandwidth floor of the bytes it must read; and the structured-output
-masked sampler against NumPy (its "reference" column: the unmasked sampler's time). Installs nothing; prints a
-short table last. Run through tools/gpu_check.sh.
+masked sampler against NumPy (its "reference" column: the unmasked sampler's time).
+Installs nothing; prints a short table last. Run through tools/gpu_check.sh.
 """
 from __future__ import annotations
 

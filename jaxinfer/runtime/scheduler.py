@@ -351,9 +351,10 @@ class Scheduler:
   def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float, bool]], now: float,
                   stop_check: Callable[[Request], Optional[str]]) -> List[Tuple[Request, int]]:
     """Apply a step's results. `sampled` has one (token, logprob, draft accepted, top-N
-    [(token, logprob)] or None) per logits row, in plan order. A verified draft keeps its longest accepted prefix plus the
-    target's correction or bonus token (8.5.1); the KV of rejected positions is rolled
-    back. Returns (request, tokens emitted) for requests that got tokens."""
+    [(token, logprob)] or None) per logits row, in plan order. A verified draft keeps its
+    longest accepted prefix plus the target's correction or bonus token (8.5.1); the KV of
+    rejected positions is rolled back. Returns (request, tokens emitted) for requests that
+    got tokens."""
     it = iter(sampled)
     emitted = []
     for s in plan.seqs:
