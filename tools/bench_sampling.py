@@ -87,6 +87,7 @@ def _bench_outlines(llm, inst):
   except ImportError:
     return None
   import llguidance
+  from jaxinfer.structured import mask_words
   t0 = time.perf_counter()
   lt = llguidance.LLTokenizer(llm.tokenizer.backend.to_str(), n_vocab=llm.cfg.vocab_size,
                               eos_token=list(llm.cfg.eos_token_ids))
@@ -98,7 +99,7 @@ def _bench_outlines(llm, inst):
       vocab.setdefault(b, []).append(i)
   v = oc.Vocabulary(eos, vocab)
   setup = time.perf_counter() - t0
-  words = (llm.cfg.vocab_size + 31) // 32
+  words = mask_words(llm.cfg.vocab_size)
   rows = []
   for c, text, ids in inst:
     t0 = time.perf_counter()

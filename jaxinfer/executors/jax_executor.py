@@ -14,6 +14,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
+from jaxinfer.structured import mask_words
 from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, enable_compilation_cache,
                            forward_step, masked_sample_step, model_step, read_pages_jit,
                            write_pages_jit)
@@ -152,7 +153,7 @@ class JaxExecutor:
     variants that take a token mask (steps carrying structured-output requests)."""
     _check_map_budget(len(buckets))
     t0 = time.perf_counter()
-    words = (self.vocab_size + 31) // 32
+    words = mask_words(self.vocab_size)
     for b in buckets:
       a = empty_step_arrays(b, self.num_pages, words)
       mask = a.pop("token_mask")

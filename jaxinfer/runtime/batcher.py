@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxinfer.buckets import Bucket, BucketTable
 from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.structured.grammar import mask_words as _row_words
 
 
 @dataclasses.dataclass
@@ -158,7 +159,7 @@ def _pack_processing(a, works: Sequence[SeqWork], S: int, V: int) -> None:
   drafts before it as output (they are, if it is reached)."""
   if V <= 0:
     raise ValueError("pack: vocab_size is needed for penalties, logit_bias or min_p")
-  words = (V + 31) // 32
+  words = _row_words(V)
   a["min_p"] = np.zeros(S, np.float32)
   a["repetition"] = np.ones(S, np.float32)
   a["seen"] = np.zeros((S, words), np.int32)

@@ -29,6 +29,7 @@ from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from jaxinfer.runtime.stopping import make_stop_check
 
 log = logging.getLogger(__name__)
 
@@ -59,42 +60,6 @@ class InFlight:
   bucket: tuple
   padded: int
   draft_s: float = 0.0
-
-
-def make_stop_check(tokenizer, eos_token_ids: Sequence[int]) -> Callable[[Request], Optional[str]]:
-  """stop token / EOS -> "stop"; a stop string cuts the text -> "stop"; max_tokens -> "length".
-  The output is detokenized only where it is needed: every token for a request with stop
-  strings, otherwise once, when the request finishes (decoding the whole output on every
-  step made each step's host work grow with the output length)."""
-  eos = set(eos_token_ids)
-
-  def check(r: Request) -> Optional[str]:
-    sp = r.sampling
-    last = r.output_token_ids[-1]
-    reason = None
-    if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos):
-      reason = "stop"
-    elif r.grammar is not None:  # structured output: the grammar follows every token
-      g = r.grammar.advance(last)
-      if g == "stop":  # complete: nothing but the end of the text may follow
-        reason = "stop"
-      elif g is not None:  # cannot happen for a token sampled under the mask
-        r.error = g
-        reason = "constraint"
-    if reason is None and sp.stop and tokenizer is not None:
-      text = tokenizer.decode(r.output_token_ids)
-      for s in sp.stop:
-        i = text.find(s)
-        if i >= 0:
-          r.text = text[:i]
-          return "stop"
-    if reason is None and len(r.output_token_ids) >= sp.max_tokens:
-      reason = "length"
-    if reason is not None and tokenizer is not None:
-      r.text = tokenizer.decode(r.output_token_ids)
-    return reason
-
-  return check
 
 
 class Engine:
@@ -407,54 +372,27 @@ class Engine:
     return self._in_flight
 
   def _mask_fn(self, plan: StepPlan, num_rows: int) -> Optional[Callable[[], np.ndarray]]:
-    """Structured output: None when no request in the step is constrained (the step then
-    runs without masking); else a function the executor calls once the forward is
-    dispatched, returning the packed allowed-token rows of the step's logits rows
-    ([num_rows, words] int32, all ones for free requests and padding), filled while the
-    device computes. A request whose constraint allows no next token is ended there
-    (finish_reason "constraint"; its row is left all ones and its token discarded, never
-    emitted), and its pages return when the step completes."""
-    rows, short, n = [], [], 0
-    for s in plan.seqs:
-      if s.request.grammar is not None and s.num_logits:
-        rows.append((s, n))
-      if s.num_logits and len(s.request.output_token_ids) < s.request.sampling.min_tokens:
-        short.append((s, n))
-      n += s.num_logits
-    if not rows and not short:
+    """The step's token-mask filler (structured/step_masks.py), timed into mask_time_s;
+    None when no request in the step is constrained."""
+    from jaxinfer.structured.step_masks import mask_filler
+    fill = mask_filler(plan.seqs, num_rows, self.executor.vocab_size, self.grammar_compiler,
+                       self._eos_token_ids, self._end_unsatisfiable)
+    if fill is None:
       return None
 
-    def fill() -> np.ndarray:
-      from jaxinfer.structured import unconstrained_rows
+    def timed() -> np.ndarray:
       t0 = time.perf_counter()
-      mask = unconstrained_rows(num_rows, self.executor.vocab_size)
-      if rows:
-        self.grammar_compiler().fill([(s.request.grammar, i, s.draft) for s, i in rows], mask)
-      bits = mask.view(np.uint32)
-      for s, i in short:  # min_tokens: nothing may end the output yet
-        sp = s.request.sampling
-        ends = set(self._eos_token_ids) | set(sp.stop_token_ids)
-        for j in range(s.num_logits):
-          if len(s.request.output_token_ids) + j < sp.min_tokens:
-            for t in ends:
-              bits[i + j, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-      for s, i in rows + short:
-        if s.request.state.done or mask[i].any():
-          continue
-        mask[i:i + s.num_logits] = -1
-        r = s.request
-        kind = r.grammar.kind if r.grammar is not None else "min_tokens"
-        why = ((r.grammar.error if r.grammar is not None else None) or
-               f"no token satisfies the {kind} constraint after "
-               f"{len(r.output_token_ids)} output tokens")
-        log.warning("request %s: %s", r.request_id, why)
-        now = self.now()
-        self.scheduler.end_unsatisfiable(r, now, why)
-        self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "constraint"))
+      mask = fill()
       self.mask_time_s += time.perf_counter() - t0
       return mask
 
-    return fill
+    return timed
+
+  def _end_unsatisfiable(self, r: Request, why: str) -> None:
+    log.warning("request %s: %s", r.request_id, why)
+    now = self.now()
+    self.scheduler.end_unsatisfiable(r, now, why)
+    self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "constraint"))
 
   def finish(self, f: InFlight) -> List[TokenEvent]:
     self._check_owner()
