@@ -30,6 +30,7 @@ from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from jaxinfer.runtime.stopping import make_stop_check
+from jaxinfer.structured.step_masks import mask_filler
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +375,6 @@ class Engine:
   def _mask_fn(self, plan: StepPlan, num_rows: int) -> Optional[Callable[[], np.ndarray]]:
     """The step's token-mask filler (structured/step_masks.py), timed into mask_time_s;
     None when no request in the step is constrained."""
-    from jaxinfer.structured.step_masks import mask_filler
     fill = mask_filler(plan.seqs, num_rows, self.executor.vocab_size, self.grammar_compiler,
                        self._eos_token_ids, self._end_unsatisfiable)
     if fill is None:
