@@ -155,6 +155,7 @@ class SamplingParams:
   min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
   logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None  # {token id: bias in [-100, 100]}
   logprobs: Optional[int] = None  # top-N alternatives per output token (0..20)
+  lora: Optional[str] = None  # the name of a registered LoRA adapter (8.2.1); None = base
 
   def __post_init__(self):
     """Every field checked for type and range before anything uses it; the error names
@@ -183,6 +184,9 @@ class SamplingParams:
     object.__setattr__(self, "stop", tuple(stop))
     self._check_constraint()
     self._check_processing()
+    if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+      raise ValueError(f"lora must be an adapter name (a non-empty str) or None, got "
+                       f"{self.lora!r}")
 
   def _check_processing(self) -> None:
     _check_real("min_p", self.min_p, lo=0.0, hi=1.0)

@@ -28,7 +28,9 @@ class JaxExecutor:
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                kv_format: str = "f32", backend: str = "xla", offload=None,
-               q_precision: str = "native", overlap_masks: Optional[bool] = None):
+               q_precision: str = "native", overlap_masks: Optional[bool] = None,
+               lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
+               lora_targets: Sequence[str] = ()):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
@@ -36,7 +38,11 @@ class JaxExecutor:
     the token masks on the host meanwhile, then samples under them (two executables per
     shape); False: masks first, then one fused step. Default: overlap on accelerators;
     not on XLA:CPU, where the host and the "device" share the same cores (measured in
-    tools/bench_sampling.py: the overlapped step was slower there)."""
+    tools/bench_sampling.py: the overlapped step was slower there).
+    lora_adapters (LoraAdapter), max_loras, max_lora_rank, lora_targets: multi-LoRA
+    (8.2.1): a device pool of max_loras slots of rank max_lora_rank over lora_targets
+    (default: every target of the given adapters); the adapters wait in host memory
+    until a request needs them (jaxinfer.lora.slots)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params
@@ -55,6 +61,64 @@ class JaxExecutor:
       bpp = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
       self.streamer = LayerStreamer(cfg, params, offload, bpp)
       self.params = None  # the device keeps only the streamer's resident weights
+    self.max_loras = int(max_loras)
+    self.lora_adapters = {}  # name -> LoraAdapter (host memory)
+    self.lora_pool = None
+    if self.max_loras:
+      self._init_lora(lora_adapters, max_lora_rank, lora_targets)
+
+  # --- multi-LoRA (8.2.1) -------------------------------------------------------------------
+  def _init_lora(self, adapters, max_rank: int, targets) -> None:
+    from jaxinfer.lora import TARGETS, ops
+    if self.streamer is not None:
+      raise ValueError("LoRA adapters cannot be combined with weight offload (the streamed "
+                       "layers do not run the adapters' low-rank products)")
+    rank = max_rank or max([a.rank for a in adapters] or [0])
+    if rank < 1:
+      raise ValueError(f"max_lora_rank must be >= 1, got {max_rank}")
+    targets = tuple(targets) or tuple(t for t in TARGETS
+                                      if any(t in a.weights for a in adapters))
+    if not targets:
+      raise ValueError("LoRA: no target modules (give adapters or lora_targets)")
+    for t in targets:
+      if t not in TARGETS:
+        raise ValueError(f"unknown LoRA target {t!r}; choose from {TARGETS}")
+    dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
+    self.lora_rank, self.lora_targets = rank, targets
+    self.lora_pool = ops.allocate(self.cfg, targets, self.max_loras, rank, dtype)
+    for a in adapters:
+      self.register_lora(a)
+
+  def register_lora(self, adapter) -> None:
+    """Keep an adapter in host memory, ready to load into a slot (checked first)."""
+    from jaxinfer.lora import AdapterError
+    if self.lora_pool is None:
+      raise ValueError("this executor has no LoRA slots (max_loras=0)")
+    if adapter.rank > self.lora_rank:
+      raise AdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above "
+                         f"max_lora_rank={self.lora_rank}")
+    extra = [t for t in adapter.targets if t not in self.lora_targets]
+    if extra:
+      raise AdapterError(f"LoRA adapter {adapter.name!r} targets {extra}, which the adapter "
+                         f"pool was not built for (lora_targets={list(self.lora_targets)})")
+    self.lora_adapters[adapter.name] = adapter
+
+  def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:
+    """Copy adapters from host memory into their device slots, before the step."""
+    from jaxinfer.lora import ops
+    for slot, name in loads:
+      data = ops.slot_data(self.lora_pool, self.lora_adapters[name])
+      self.lora_pool = ops.write_slot(self.lora_pool, np.int32(slot), data)
+
+  def _with_lora(self, arrays, bucket: Bucket):
+    """A step carrying adapters: the pool and the index arrays of the mode that measured
+    fastest for its kind of step (jaxinfer.lora.ops)."""
+    from jaxinfer.lora import ops
+    arrays = dict(arrays)
+    slots = arrays.pop("lora_slot")
+    mode = ops.PREFILL_MODE if bucket.prefill_slots else ops.DECODE_MODE
+    arrays.update(ops.index_arrays(slots, self.max_loras, mode), lora=self.lora_pool)
+    return arrays
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:
     """Copy-on-write page copies, done before the step that writes the copies."""
@@ -69,6 +133,9 @@ class JaxExecutor:
     """Device bytes of weights and KV pool; with offload, what it freed and keeps (8.4.3)."""
     from jaxinfer.kv import pool_bytes
     rep = {"kv_pool_bytes": pool_bytes(self.cfg, self.kv_format, self.num_pages, self.page_size)}
+    if self.lora_pool is not None:
+      rep["lora_pool_bytes"] = sum(a.nbytes for a in jax.tree_util.tree_leaves(self.lora_pool))
+      rep["lora_host_bytes"] = sum(a.nbytes for a in self.lora_adapters.values())
     if self.streamer is None:
       rep["weight_bytes"] = sum(a.nbytes for a in jax.tree_util.tree_leaves(self.params))
       return rep
@@ -84,6 +151,8 @@ class JaxExecutor:
     """Dispatch the step (JAX runs it asynchronously); `collect` waits for its result."""
     t0 = time.perf_counter()
     arrays = step.arrays
+    if "lora_slot" in arrays:
+      arrays = self._with_lora(arrays, step.bucket)
     if self.streamer is not None:
       if step.mask_fn is not None:  # layer by layer: no single forward to overlap with
         arrays = dict(arrays, token_mask=step.mask_fn())
@@ -143,21 +212,28 @@ class JaxExecutor:
       return self.execute(step).packed
     if self.streamer is not None:
       raise ValueError("return_logits is not available with weight offload")
+    arrays = step.arrays
+    if "lora_slot" in arrays:
+      arrays = self._with_lora(arrays, step.bucket)
     (packed, logits), self.pool = model_step(
-        self.params, self.pool, step.arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
+        self.params, self.pool, arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
         backend=self.backend, return_logits=True)
     return np.asarray(packed), np.asarray(logits)
 
   def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:
     """Compile every given bucket ahead of time; returns seconds spent. masked: the
-    variants that take a token mask (steps carrying structured-output requests)."""
-    _check_map_budget(len(buckets))
+    variants that take a token mask (steps carrying structured-output requests). With
+    LoRA slots, also every shape's variant that carries adapters."""
+    _check_map_budget(len(buckets) * (2 if self.lora_pool is not None else 1))
     t0 = time.perf_counter()
     words = mask_words(self.vocab_size)
     for b in buckets:
-      a = empty_step_arrays(b, self.num_pages, words)
-      mask = a.pop("token_mask")
-      self.launch(StepInput(a, b, [], 0, mask_fn=(lambda m=mask: m) if masked else None))
+      for lora in ((False, True) if self.lora_pool is not None else (False,)):
+        a = empty_step_arrays(b, self.num_pages, words)
+        mask = a.pop("token_mask")
+        if lora:
+          a["lora_slot"] = np.zeros(b.num_tokens, np.int32)
+        self.launch(StepInput(a, b, [], 0, mask_fn=(lambda m=mask: m) if masked else None))
     jax.block_until_ready(self.pool)
     return time.perf_counter() - t0
 

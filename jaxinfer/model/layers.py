@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig
+from jaxinfer.lora.ops import project
 
 
 def rms_norm(x, w, eps):
@@ -33,22 +34,23 @@ def apply_rope(x, cos, sin):
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def mlp(x, p):
+def mlp(x, p, lw=None, batch=None):
+  """lw: this layer's LoRA pool (a step carrying adapters), else None."""
   with jax.named_scope("mlp"):
-    g = x @ p["w_gate"]  # [T, F]
-    u = x @ p["w_up"]
-    return (jax.nn.silu(g) * u) @ p["w_down"]  # [T, D]
+    g = project(x, p, "w_gate", lw, batch)  # [T, F]
+    u = project(x, p, "w_up", lw, batch)
+    return project(jax.nn.silu(g) * u, p, "w_down", lw, batch)  # [T, D]
 
 
 def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_shape,
-                    backend):
+                    backend, lw=None):
   """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens."""
   T = x.shape[0]
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   with jax.named_scope("qkv"):
-    q = (x @ p["wq"]).reshape(T, N, H)
-    k = (x @ p["wk"]).reshape(T, K, H)
-    v = (x @ p["wv"]).reshape(T, K, H)
+    q = project(x, p, "wq", lw, batch).reshape(T, N, H)
+    k = project(x, p, "wk", lw, batch).reshape(T, K, H)
+    v = project(x, p, "wv", lw, batch).reshape(T, K, H)
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -58,5 +60,5 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_sh
   with jax.named_scope("attention"):
     o = attention.paged_attention(q, k, v, pool, layer, batch, attn_shape=attn_shape,
                                   backend=backend)  # [T, N, H] f32
-  out = o.astype(x.dtype).reshape(T, N * H) @ p["wo"]
+  out = project(o.astype(x.dtype).reshape(T, N * H), p, "wo", lw, batch)
   return out, k, v

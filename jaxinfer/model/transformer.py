@@ -15,12 +15,13 @@ from jaxinfer.kv import write_tokens
 from jaxinfer.model import layers
 
 
-def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
+def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, lw=None):
+  """One decoder layer; lw: its slice of the step's LoRA pool (jaxinfer.lora.ops) or None."""
   h, k, v = layers.attention_block(
       layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
-      attn_shape=attn_shape, backend=backend)
+      attn_shape=attn_shape, backend=backend, lw=lw)
   x = x + h
-  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p, lw, batch)
   return x, k, v
 
 
@@ -30,33 +31,38 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
   num_layers: run only the first layers (early-exit drafting); default all.
   attn_shape: (max query tokens per prefill slot, prefill slots), static (see attention.py).
+  batch["lora"] (a step carrying adapters): the adapter pool, per target a [L, S, in, r]
+  and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops.
   """
   dtype = params["embed"].dtype
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
   lp = params["layers"]
   L = cfg.num_layers if num_layers is None else num_layers
+  lora = batch.get("lora")
+  lora_i = (lambda i: None) if lora is None else (  # noqa: E731
+      lambda i: jax.tree_util.tree_map(lambda a: a[i], lora))
   if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
 
     def body(x, xs):
-      p, i = xs
-      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+      p, i, lw = xs
+      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lw)
       return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
+    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32), lora))
   elif isinstance(lp, dict):  # the first L layers: index the stacked weights in the loop
     # (a static slice lp[:L] would copy L layers' weights on every call)
 
     def body_i(x, i):
       p = jax.tree_util.tree_map(lambda a: a[i], lp)
-      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body_i, x, jnp.arange(L, dtype=jnp.int32))
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):
-      x, k, v = layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend)
+      x, k, v = layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)

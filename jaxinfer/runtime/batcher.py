@@ -37,6 +37,7 @@ class SeqWork:
   prompt_ids: Sequence[int] = ()
   output_ids: Sequence[int] = ()
   top_logprobs: bool = False  # return the 20 most likely tokens of each logits row
+  lora_slot: int = 0  # the device slot of the request's LoRA adapter (0: none; 8.2.1)
 
 
 @dataclasses.dataclass
@@ -147,6 +148,10 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
       query_start[r] = t
   if any(w.sampling is not None for w in works):
     _pack_processing(a, works, b.num_logits, vocab_size)
+  if any(w.lora_slot for w in works):  # per token; padding tokens take slot 0
+    a["lora_slot"] = np.zeros(b.num_tokens, np.int32)
+    for w, qs in zip(works, (int(query_start[r]) for r in slots)):
+      a["lora_slot"][qs:qs + len(w.token_ids)] = w.lora_slot
   if any(w.top_logprobs for w in works):
     a["top_logprobs"] = np.zeros(b.num_logits, np.int32)  # a flag: its presence
   return StepInput(arrays=a, bucket=b, logits_rows=rows, num_tokens=n_tok)

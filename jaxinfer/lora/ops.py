@@ -1,0 +1,113 @@
+"""The device side of multi-LoRA (8.2.1, Punica / S-LoRA): the adapter pool and the
+grouped low-rank product the model adds to an adapted projection.
+
+Pool: per target, a [L, S, in, r] and b [L, S, r, out] (S = max_loras + 1 slots; slot 0
+is all zeros = no adapter; the scaling is folded into b). A step that carries adapters
+gets the pool and per-token index arrays in its inputs; a step without them compiles and
+runs without any of this (the inputs' structure is static).
+
+Three ways to compute y[t] = (x[t] @ a[s_t]) @ b[s_t] for the step's tokens, chosen per
+step by which index arrays it carries:
+  gather  (BGMV) per-token gather of the token's A and B: `lora_slot` [T]
+  segment (SGMV) tokens sorted by slot, one grouped matmul per factor (lax.ragged_dot):
+          `lora_perm` [T], `lora_inv` [T], `lora_groups` [S]
+  dense   every slot's low-rank product as two dense matmuls, masked per token:
+          `lora_onehot` [T, S]
+`tools/bench_lora.py` measures them; DECODE_MODE / PREFILL_MODE are its winners here.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.lora.adapter import LoraAdapter, target_shape
+
+MODES = ("gather", "segment", "dense")
+# Chosen by tools/bench_lora.py on the 2-core CPU (see the README's LoRA section).
+DECODE_MODE = "dense"
+PREFILL_MODE = "segment"
+INDEX_KEYS = ("lora_slot", "lora_perm", "lora_inv", "lora_groups", "lora_onehot")
+
+
+def allocate(cfg: ModelConfig, targets, num_slots: int, rank: int, dtype) -> Dict:
+  """Zeroed pool of num_slots adapter slots plus slot 0."""
+  S = num_slots + 1
+  pool = {}
+  for t in targets:
+    d_in, d_out = target_shape(cfg, t)
+    pool[t] = {"a": jnp.zeros((cfg.num_layers, S, d_in, rank), dtype),
+               "b": jnp.zeros((cfg.num_layers, S, rank, d_out), dtype)}
+  return pool
+
+
+def _write(pool, slot, data):
+  return {t: {k: v.at[:, slot].set(data[t][k].astype(v.dtype)) for k, v in d.items()}
+          for t, d in pool.items()}
+
+
+write_slot = jax.jit(_write, donate_argnums=(0,))  # in place: no copy of the pool
+
+
+def slot_data(pool, adapter: LoraAdapter) -> Dict:
+  """The adapter's weights padded to the pool's rank, zeros for targets it lacks."""
+  out = {}
+  for t, d in pool.items():
+    L, _, d_in, r = d["a"].shape
+    d_out = d["b"].shape[-1]
+    a = np.zeros((L, d_in, r), np.float32)
+    b = np.zeros((L, r, d_out), np.float32)
+    if t in adapter.weights:
+      wa, wb = adapter.weights[t]
+      a[:, :, :wa.shape[-1]] = wa
+      b[:, :wb.shape[1], :] = wb
+    out[t] = {"a": a, "b": b}
+  return out
+
+
+def index_arrays(slot_per_token: np.ndarray, num_slots: int, mode: str) -> Dict[str, np.ndarray]:
+  """The step's per-token index arrays for `mode` (host side, NumPy)."""
+  s = np.asarray(slot_per_token, np.int32)
+  if mode == "gather":
+    return {"lora_slot": s}
+  if mode == "segment":
+    perm = np.argsort(s, kind="stable").astype(np.int32)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm), dtype=np.int32)
+    groups = np.bincount(s, minlength=num_slots + 1).astype(np.int32)
+    return {"lora_perm": perm, "lora_inv": inv, "lora_groups": groups}
+  if mode == "dense":
+    onehot = np.zeros((len(s), num_slots + 1), np.float32)
+    onehot[np.arange(len(s)), s] = 1.0
+    onehot[:, 0] = 0.0  # slot 0 is zeros anyway: skip its product
+    return {"lora_onehot": onehot}
+  raise ValueError(f"unknown LoRA mode {mode!r}; choose one of {MODES}")
+
+
+def delta(x, a, b, batch):
+  """x [T, in], a [S, in, r], b [S, r, out] -> the adapters' addition [T, out] (f32)."""
+  xf = x.astype(jnp.float32)
+  af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
+  if "lora_perm" in batch:  # SGMV
+    groups = batch["lora_groups"]
+    h = jax.lax.ragged_dot(xf[batch["lora_perm"]], af, groups)
+    return jax.lax.ragged_dot(h, bf, groups)[batch["lora_inv"]]
+  if "lora_onehot" in batch:  # all slots as two dense matmuls, masked per token
+    S, d_in, r = af.shape
+    h = xf @ jnp.transpose(af, (1, 0, 2)).reshape(d_in, S * r)  # [T, S*r]
+    h = (h.reshape(-1, S, r) * batch["lora_onehot"][:, :, None]).reshape(-1, S * r)
+    return h @ bf.reshape(S * r, -1)
+  s = batch["lora_slot"]  # BGMV
+  h = jnp.einsum("ti,tir->tr", xf, af[s])
+  return jnp.einsum("tr,tro->to", h, bf[s])
+
+
+def project(x, p, name: str, lw, batch):
+  """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA."""
+  y = x @ p[name]
+  if lw is not None and name in lw:
+    y = y + delta(x, lw[name]["a"], lw[name]["b"], batch).astype(y.dtype)
+  return y
