@@ -79,7 +79,8 @@ class LLM:
                max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                deadline_admission: bool = False, warmup: bool = True,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
-               structured_output: bool = False):
+               structured_output: bool = False, lora_adapters=None,
+               max_loras: Optional[int] = None, max_lora_rank: int = 16):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -126,6 +127,20 @@ class LLM:
       buckets = BucketTable.from_json(buckets)
     if buckets is not None and not isinstance(buckets, BucketTable):
       raise ValueError(f"buckets must be a BucketTable or a JSON path, got {buckets!r}")
+    lora_adapters = dict(lora_adapters or {})
+    for k, v in lora_adapters.items():
+      if not isinstance(k, str) or not k or not isinstance(v, str):
+        raise ValueError(f"lora_adapters must map adapter names to PEFT directories, got "
+                         f"{k!r}: {v!r}")
+    if max_loras is None:
+      max_loras = min(len(lora_adapters), 8)
+    for name, v, lo in (("max_loras", max_loras, 0), ("max_lora_rank", max_lora_rank, 1)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if lora_adapters and not max_loras:
+      raise ValueError("lora_adapters given with max_loras=0: no slot could serve them")
+    if max_loras and offload is not None and offload.layers:
+      raise ValueError("LoRA adapters cannot be combined with weight offload")
     # `model`: a name or path, or an already loaded model (LoadedModel).
     self.model = model if isinstance(model, LoadedModel) else load_model(
         model, dtype, scan_layers=scan_layers)
@@ -144,9 +159,18 @@ class LLM:
       extra = int(saved // (bytes_per_token(self.cfg, kv_format, page_size) * page_size))
       log.info("weight offload frees %.1f MiB net: %d more KV pages", saved / 2**20, extra)
       num_pages += extra
+    adapters = []
+    if max_loras:
+      from jaxinfer.lora import adapter_bytes, load_peft
+      adapters = [load_peft(p, self.cfg, n, max_rank=max_lora_rank)
+                  for n, p in lora_adapters.items()]
+      num_pages = _pages_after_lora(self.cfg, adapters, max_loras, max_lora_rank, dtype,
+                                    kv_format, page_size, num_pages, adapter_bytes)
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=attention,
-                                offload=offload, q_precision=q_precision)
+                                offload=offload, q_precision=q_precision,
+                                lora_adapters=adapters, max_loras=max_loras,
+                                max_lora_rank=max_lora_rank if max_loras else 0)
     sched = scheduler or SchedulerConfig(
         policy=policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
@@ -167,6 +191,22 @@ class LLM:
                          draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
     self.warmup_s = self.engine.warmup(progress=True, structured=structured_output) \
         if warmup else 0.0
+
+  def add_lora(self, name: str, path: str) -> None:
+    """Register one more PEFT adapter (vLLM's load_lora_adapter). Checked fully before
+    anything changes: an adapter that does not fit raises AdapterError and the engine
+    serves on. Replacing a name that running requests use is refused."""
+    from jaxinfer.lora import load_peft
+    if self.executor.lora_pool is None:
+      raise ValueError("this LLM has no LoRA slots: construct it with max_loras >= 1")
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"adapter name must be a non-empty str, got {name!r}")
+    adapter = load_peft(path, self.cfg, name, max_rank=self.executor.lora_rank)
+    slots = self.engine.scheduler.adapters
+    if slots.users.get(name):
+      raise ValueError(f"LoRA adapter {name!r} is in use by running requests")
+    self.executor.register_lora(adapter)
+    slots.forget(name)  # a replaced adapter is loaded afresh at its next use
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":
@@ -263,3 +303,21 @@ class LLM:
       self.engine.abort_requests([r.request_id for r in reqs])
       raise
     return [RequestOutput.from_request(r) for r in reqs]
+
+
+def _pages_after_lora(cfg, adapters, max_loras, rank, dtype, kv_format, page_size, num_pages,
+                      adapter_bytes) -> int:
+  """KV pages left once the adapter slots take their device memory (admission then sees
+  it): the pool of max_loras + 1 slots at max_lora_rank over the adapters' targets."""
+  from jaxinfer.kv import bytes_per_token
+  from jaxinfer.lora import TARGETS
+  targets = [t for t in TARGETS if any(t in a.weights for a in adapters)] or list(TARGETS)
+  pool = (max_loras + 1) * adapter_bytes(cfg, rank, targets, 2 if dtype == "bfloat16" else 4)
+  page = bytes_per_token(cfg, kv_format, page_size) * page_size
+  taken = int(-(-pool // page))
+  if taken >= num_pages:
+    raise ValueError(f"{max_loras} LoRA slots of rank {rank} need {pool / 2**20:.1f} MiB, "
+                     f"{taken} KV pages of the {num_pages}: raise num_pages or lower "
+                     "max_loras / max_lora_rank")
+  log.info("LoRA slots take %.1f MiB of device memory: %d fewer KV pages", pool / 2**20, taken)
+  return num_pages - taken

@@ -24,12 +24,17 @@ class Executor(Protocol):
   virtual_clock: bool  # True: durations are modelled, the engine's clock is virtual
   vocab_size: Optional[int]  # token ids the model accepts: [0, vocab_size); None = any
   step_model: Optional[object]  # a StepTimeModel when steps are modelled, else None
+  max_loras: int  # LoRA adapter slots on the device (0: no adapters, 8.2.1)
+  lora_adapters: dict  # registered adapters by name (host memory)
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None: ...
 
   def offload_pages(self, moves: Sequence[Tuple[int, int]]) -> None: ...
 
   def fetch_pages(self, moves: Sequence[Tuple[int, int]]) -> None: ...
+
+  def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:
+    """Copy (slot, adapter name) adapters into their device slots before the step."""
 
   def launch(self, step: StepInput, plan: StepPlan) -> Any:
     """Start a step; returns a handle for `collect` (a real device runs asynchronously)."""

@@ -77,9 +77,7 @@ class JaxExecutor:
     if rank < 1:
       raise ValueError(f"max_lora_rank must be >= 1, got {max_rank}")
     targets = tuple(targets) or tuple(t for t in TARGETS
-                                      if any(t in a.weights for a in adapters))
-    if not targets:
-      raise ValueError("LoRA: no target modules (give adapters or lora_targets)")
+                                      if any(t in a.weights for a in adapters)) or TARGETS
     for t in targets:
       if t not in TARGETS:
         raise ValueError(f"unknown LoRA target {t!r}; choose from {TARGETS}")

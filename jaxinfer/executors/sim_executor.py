@@ -28,6 +28,24 @@ class StepTimeModel(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraCost:
+  """What adapters add to a step (8.2.1, grouped low-rank work): per distinct adapter its
+  A/B bytes read once at the device's bandwidth plus 2 FLOPs per parameter per token at
+  its compute rate; a load into a slot moves its bytes over the host link."""
+  bytes_per_value: float
+  read_bytes_per_s: float
+  flops_per_s: float
+  link_bytes_per_s: float
+
+  def step_s(self, params: int, tokens: int) -> float:
+    return (params * self.bytes_per_value / self.read_bytes_per_s
+            + 2.0 * params * tokens / self.flops_per_s)
+
+  def load_s(self, params: int) -> float:
+    return params * self.bytes_per_value / self.link_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
 class AffineStepModel:
   """8.2.2's iteration time, fitted to experiment 8-1 at batch 1 (Qwen3-8B, RTX PRO 6000):
   26.22 ms fixed + 30.4 us per new token + 3 ns per causal (query, key) pair."""
@@ -64,13 +82,17 @@ class SimExecutor:
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
                token_id: int = 0, acceptance: float = 0.0, seed: int = 0,
-               pad_to_buckets: bool = False, compile_s: float = 0.0):
+               pad_to_buckets: bool = False, compile_s: float = 0.0,
+               lora_adapters=None, max_loras: int = 0, lora_cost=None):
     """acceptance: probability that each drafted position is accepted (8.5.2 model of
     independent positions); drafts are verified against it.
     pad_to_buckets: charge each step at its bucket's token count, the padding tokens as
     one-token requests with no context (8.2.4: 17-32 rows run the 32-row graph);
     compile_s: seconds charged the first time a bucket shape runs (a compile, as the real
-    engine pays without warm-up); `compiles` counts them."""
+    engine pays without warm-up); `compiles` counts them.
+    lora_adapters {name: parameter count}, max_loras, lora_cost (a LoraCost): multi-LoRA
+    (8.2.1) — each distinct adapter in a step reads its A and B once and every token runs
+    its low-rank products; each load into a slot crosses the host link."""
     if compile_s < 0 or not np.isfinite(compile_s):
       raise ValueError(f"compile_s must be a finite number >= 0, got {compile_s!r}")
     self.step_model = model
@@ -85,6 +107,14 @@ class SimExecutor:
     self.pages_copied = 0
     self.pages_offloaded = 0
     self.pages_fetched = 0
+    self.lora_adapters = dict(lora_adapters or {})
+    self.max_loras = int(max_loras)
+    self.lora_cost = lora_cost
+    self.lora_load_s = 0.0  # seconds charged for adapter loads (host -> device)
+
+  def load_lora(self, loads):
+    if self.lora_cost is not None:
+      self.lora_load_s += sum(self.lora_cost.load_s(self.lora_adapters[n]) for _, n in loads)
 
   def copy_pages(self, copies):
     self.pages_copied += len(copies)
@@ -112,6 +142,15 @@ class SimExecutor:
         acc = j < len(s.draft) and self._rng.random() < self.acceptance
         rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
     packed = np.array(rows, np.float32).reshape(-1, 3)
+    if self.lora_cost is not None:
+      tokens = {}
+      for s in plan.seqs:
+        if s.request.sampling.lora:
+          name = s.request.sampling.lora
+          tokens[name] = tokens.get(name, 0) + s.num_step_tokens
+      extra += sum(self.lora_cost.step_s(self.lora_adapters[n], t) for n, t in tokens.items())
+      extra += self.lora_load_s
+      self.lora_load_s = 0.0
     return StepResult(packed=packed, duration_s=self.step_model.step_time(seqs) + extra)
 
   @property

@@ -86,10 +86,11 @@ def load_peft(path: str, cfg: ModelConfig, name: Optional[str] = None,
   where = f"LoRA adapter {name!r} ({path})"
   conf_path = os.path.join(path, "adapter_config.json")
   weights_path = os.path.join(path, "adapter_model.safetensors")
-  for p in (conf_path, weights_path):
-    if not os.path.isfile(p):
-      raise AdapterError(f"{where}: {os.path.basename(p)} not found (a PEFT adapter "
-                         "directory holds adapter_config.json and adapter_model.safetensors)")
+  missing = lambda p: AdapterError(  # noqa: E731
+      f"{where}: {os.path.basename(p)} not found (a PEFT adapter directory holds "
+      "adapter_config.json and adapter_model.safetensors)")
+  if not os.path.isfile(conf_path):
+    raise missing(conf_path)
   try:
     with open(conf_path) as f:
       conf = json.load(f)
@@ -108,6 +109,8 @@ def load_peft(path: str, cfg: ModelConfig, name: Optional[str] = None,
   alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
   rslora = bool(conf.get("use_rslora", False))
 
+  if not os.path.isfile(weights_path):
+    raise missing(weights_path)
   from safetensors.numpy import load_file
   try:
     tensors = load_file(weights_path)

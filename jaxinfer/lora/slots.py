@@ -78,6 +78,18 @@ class AdapterSlots:
       self._free.append(self.slot_of.pop(name))
       self._loads = [(s, n) for s, n in self._loads if n != name]
 
+  def load_pending(self, load) -> None:
+    """load(take_loads()); when it raises, the loads are queued again for the next step
+    (the failing step's requests fail; the adapters stay registered)."""
+    loads = self.take_loads()
+    if not loads:
+      return
+    try:
+      load(loads)
+    except BaseException:
+      self._loads.extend((s, n) for s, n in loads if self.slot_of.get(n) == s)
+      raise
+
   def take_loads(self) -> List[Tuple[int, str]]:
     """(slot, adapter) copies to do before the next step; the list is cleared."""
     loads, self._loads = self._loads, []

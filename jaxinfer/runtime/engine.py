@@ -96,6 +96,9 @@ class Engine:
                                max_step_requests=buckets.max_requests,
                                estimate_time=None if self.step_model is None else
                                self._estimate_from_step_model)
+    if executor.max_loras:  # multi-LoRA: which adapter holds which device slot (8.2.1)
+      from jaxinfer.lora.slots import AdapterSlots
+      self.scheduler.adapters = AdapterSlots(executor.max_loras)
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
     self._eos_token_ids = tuple(eos_token_ids)
     self.requests: Dict[object, Request] = {}
@@ -174,6 +177,10 @@ class Engine:
     for t, _ in sampling.logit_bias or ():
       if hi is not None and t >= hi:
         raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {hi})")
+    if sampling.lora is not None and sampling.lora not in self.executor.lora_adapters:
+      known = sorted(self.executor.lora_adapters)
+      raise ValueError(f"unknown LoRA adapter {sampling.lora!r}; this engine serves "
+                       f"{known if known else 'no adapters (max_loras=0)'}")
     if sampling.constraint is not None:  # compiles (cached): an invalid one is a ValueError
       self.grammar_compiler().compile(*sampling.constraint)
     return ids
@@ -344,6 +351,8 @@ class Engine:
       ex.fetch_pages(plan.fetches)
     if plan.copies:
       ex.copy_pages(plan.copies)
+    if self.scheduler.adapters is not None:  # adapters the plan admitted, into their slots
+      self.scheduler.adapters.load_pending(ex.load_lora)
     works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
                      page_table=self.pm.page_table(s.request.request_id),
                      num_logits=s.num_logits, temperature=s.request.sampling.temperature,
@@ -353,7 +362,8 @@ class Engine:
                      sampling=s.request.sampling if s.request.sampling.processes_logits
                      else None, prompt_ids=s.request.prompt_token_ids,
                      output_ids=s.request.output_token_ids,
-                     top_logprobs=bool(s.request.sampling.logprobs))
+                     top_logprobs=bool(s.request.sampling.logprobs),
+                     lora_slot=s.request.lora_slot)
              for s in plan.seqs]
     if ex.virtual_clock:  # no arrays: the simulator sees the bucket only
       b = select_bucket(works, self.buckets, self.pm.page_size)

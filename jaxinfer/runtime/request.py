@@ -67,6 +67,7 @@ class Request:
   recomputed_tokens: int = 0  # extra tokens scheduled because of preemption
   cached_tokens: int = 0  # prompt tokens served by the prefix cache
   prefix_nodes: list = dataclasses.field(default_factory=list)
+  lora_slot: int = 0  # the device slot its adapter holds while it runs (0: no adapter)
   # Speculative decoding (8.5): drafts to verify next step, and per-position statistics.
   draft: List[int] = dataclasses.field(default_factory=list)
   spec_rounds: int = 0

@@ -115,6 +115,10 @@ class Scheduler:
     # reserve(request) -> bool and release(request), consulted at admission and freed
     # with the request.
     self.reservers: List = []
+    # Multi-LoRA (8.2.1): an AdapterSlots when the executor has adapter slots. A request
+    # is admitted only when its adapter holds or can take a slot; it pins the slot while
+    # it runs, so a step never carries more distinct adapters than there are slots.
+    self.adapters = None
     self.waiting: List[Request] = []
     self.running: List[Request] = []
     self._order = itertools.count()
@@ -201,6 +205,9 @@ class Scheduler:
         r.finish_reason, r.reject_reason, r.finished_at = "rejected", "deadline", now
         plan.rejected.append(r)
         continue
+      lora = r.sampling.lora
+      if lora and self.adapters is not None and not self.adapters.can_acquire(lora):
+        continue  # every slot holds a running request's adapter: others may still run
       first = not plan.seqs
 
       def first_tokens(hit, r=r, budget=budget, first=first):
@@ -253,7 +260,7 @@ class Scheduler:
     cfg, pm = self.config, self.pm
     nodes, hit, m = [], 0, None
     if self.cache is not None:
-      m = self.cache.match(cfg.cache_key, r.all_token_ids, max_tokens=r.num_tokens - 1,
+      m = self.cache.match(self._cache_key(r), r.all_token_ids, max_tokens=r.num_tokens - 1,
                            record=False)
       nodes = m.nodes[:m.restore_tokens // pm.page_size]
       hit = len(nodes) * pm.page_size
@@ -290,6 +297,8 @@ class Scheduler:
       self.cache.record(m, len(r.all_token_ids))
     r.prefix_nodes = nodes
     r.num_computed = hit
+    if r.sampling.lora and self.adapters is not None:
+      r.lora_slot = self.adapters.acquire(r.sampling.lora)
     if not r.output_token_ids:
       r.cached_tokens = hit
     self.waiting.remove(r)
@@ -338,7 +347,15 @@ class Scheduler:
     bisect.insort(self.waiting, r, key=lambda x: self._key[x.request_id])
     plan.preempted.append(r)
 
+  def _cache_key(self, r: Request) -> Tuple[str, str, str]:
+    """Prefix-cache namespace: K/V computed under an adapter is only that adapter's."""
+    model, _, kv = self.config.cache_key
+    return (model, r.sampling.lora or "", kv)
+
   def _release(self, r: Request) -> None:
+    if r.lora_slot:
+      self.adapters.release(r.sampling.lora)
+      r.lora_slot = 0
     for h in self.reservers:
       h.release(r)
     if self.cache is not None and r.prefix_nodes:
@@ -410,7 +427,7 @@ class Scheduler:
     self.running.remove(r)
     if self.cache is not None:
       # Offer the computed full pages (the last output's K/V is never written).
-      self.cache.insert(self.config.cache_key, r.all_token_ids[:r.num_computed],
+      self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed],
                         self.pm.page_table(r.request_id))
     self._release(r)
     r.set_state(State.FINISHED)

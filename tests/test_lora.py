@@ -1,0 +1,229 @@
+"""Multi-LoRA (8.2.1): PEFT adapters against HF transformers + peft, mixed batches against
+each request alone, slots and their replacement, prefix-cache namespaces, bad adapters."""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import requires_hf
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.lora import AdapterError, AdapterSlots, load_peft, save_peft
+from jaxinfer.lora.adapter import random_adapter_factors
+
+requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                   reason="the peft oracle needs the test extra")
+ALL = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "My favourite food is"]
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2, tmp_path_factory):
+  """Three tiny adapters in PEFT's format: A (every target, r=4), B (q and v, r=8,
+  rsLoRA, an alpha_pattern for v), C (the MLP, r=2, only even layers)."""
+  cfg = smollm2.cfg
+  root = tmp_path_factory.mktemp("adapters")
+  a, b = random_adapter_factors(cfg, 4, ALL, seed=1)
+  save_peft(str(root / "A"), a, b, cfg, rank=4, alpha=8)
+  a, b = random_adapter_factors(cfg, 8, ("wq", "wv"), seed=2, std=0.04)
+  save_peft(str(root / "B"), a, b, cfg, rank=8, alpha=16)
+  conf_path = root / "B" / "adapter_config.json"
+  conf = json.loads(conf_path.read_text())
+  conf.update(use_rslora=True, alpha_pattern={"v_proj": 4.0})
+  conf_path.write_text(json.dumps(conf))
+  a, b = random_adapter_factors(cfg, 2, ("w_gate", "w_up", "w_down"), seed=3, std=0.08)
+  for t in a:
+    a[t][1::2] = 0.0  # odd layers untouched: written as zeros, loaded as zeros
+  save_peft(str(root / "C"), a, b, cfg, rank=2, alpha=2)
+  return {n: str(root / n) for n in "ABC"}
+
+
+def test_adapter_layout_follows_peft_scaling(smollm2, adapters):
+  A = load_peft(adapters["A"], smollm2.cfg, "A")
+  B = load_peft(adapters["B"], smollm2.cfg, "B")
+  assert A.rank == 4 and A.targets == ALL and B.targets == ("wq", "wv")
+  from safetensors.numpy import load_file
+  raw = load_file(os.path.join(adapters["B"], "adapter_model.safetensors"))
+  pre = "base_model.model.model.layers.3.self_attn."
+  # rsLoRA: alpha / sqrt(r); alpha_pattern overrides v_proj's alpha
+  np.testing.assert_allclose(B.weights["wq"][1][3], raw[pre + "q_proj.lora_B.weight"].T *
+                             16 / np.sqrt(8), rtol=1e-6)
+  np.testing.assert_allclose(B.weights["wv"][1][3], raw[pre + "v_proj.lora_B.weight"].T *
+                             4 / np.sqrt(8), rtol=1e-6)
+
+
+@requires_hf
+@requires_peft
+def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters):
+  """Every mode of the grouped low-rank product (gather / segment / dense) against peft:
+  logits at every prompt position, for each adapter and the base model in one step."""
+  import torch
+  from peft import PeftModel
+  from jaxinfer.benchmarking import hf_model
+  from jaxinfer.executors.jax_executor import JaxExecutor
+  from jaxinfer.lora import ops
+  from jaxinfer.runtime.batcher import SeqWork, pack_exact
+  cfg = smollm2.cfg
+  ids = smollm2.tokenizer.encode("The capital of France is a city where")
+  n = len(ids)
+  names = ["A", "B", "C"]
+  loaded = [load_peft(adapters[x], cfg, x) for x in names]
+  ex = JaxExecutor(cfg, smollm2.params, num_pages=64, page_size=16, lora_adapters=loaded,
+                   max_loras=3, max_lora_rank=8)
+  ex.load_lora([(1, "A"), (2, "B"), (3, "C")])
+  works = [SeqWork(ids, 0, list(range(4 * i, 4 * i + 4)), num_logits=n, lora_slot=i)
+           for i in range(4)]  # slot 0 = the base model
+  ours = {}
+  for mode in ops.MODES:
+    step = pack_exact(works, 16, 64)
+    a = dict(step.arrays)
+    slots = a.pop("lora_slot")
+    a.update(ops.index_arrays(slots, 3, mode), lora=ex.lora_pool)
+    from jaxinfer.step import model_step
+    (_, logits), ex.pool = model_step(ex.params, ex.pool, a, cfg=cfg,
+                                      attn_shape=step.bucket.attn_shape, backend="xla",
+                                      return_logits=True)
+    ours[mode] = np.asarray(logits)
+  hf = hf_model(smollm2_path)
+  x = torch.tensor([ids])
+  with torch.no_grad():
+    ref = [hf(x).logits[0].numpy()]
+  for name in names:
+    pm = PeftModel.from_pretrained(hf, adapters[name]).eval()
+    with torch.no_grad():
+      ref.append(pm(x).logits[0].numpy())
+      if name == "A":
+        hf_greedy = pm.generate(x, max_new_tokens=8, do_sample=False)[0, n:].tolist()
+    hf = pm.unload()  # the bare base model again
+  for mode, logits in ours.items():
+    for i, r in enumerate(ref):
+      got = logits[i * n:(i + 1) * n]
+      err = np.abs(got - r).max() / np.abs(r).max()
+      assert err < 1e-4, (mode, i, err)
+      assert (got.argmax(-1) == r.argmax(-1)).all(), (mode, i)
+  assert np.abs(ref[1] - ref[0]).max() > 1.0  # the adapters change the output
+  llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32,
+            lora_adapters={"A": adapters["A"]})
+  out = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
+  assert out.token_ids == hf_greedy
+
+
+@pytest.fixture(scope="module")
+def lora_llm(smollm2, adapters):
+  return LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32,
+             prefix_cache=True, lora_adapters=adapters, max_loras=2, num_pages=256)
+
+
+def _alone(llm, prompt, lora, n=10):
+  return llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True,
+                                               lora=lora))[0].token_ids
+
+
+def test_a_mixed_batch_equals_each_request_alone(lora_llm):
+  """Adapters A, B, C and none in one chunked batch, with more adapters (3) than slots
+  (2): every output equals the same request run alone; a step never carries more
+  distinct adapters than slots, and an adapter in use is never replaced."""
+  llm = lora_llm
+  loras = ["A", "B", None, "C", "A", None]
+  prompts = [PROMPTS[i % 4] for i in range(len(loras))]
+  alone = [_alone(llm, p, x) for p, x in zip(prompts, loras)]
+  assert alone[0] != alone[2] and alone[1] != alone[2] and alone[3] != alone[2]
+  eng = llm.engine
+  slots = eng.scheduler.adapters
+  reqs = [eng.add_request(llm.encode_prompt(p), SamplingParams(max_tokens=10, ignore_eos=True,
+                                                               lora=x))
+          for p, x in zip(prompts, loras)]
+  seen_per_step = []
+  while eng.has_unfinished():
+    eng.step()
+    running = {r.sampling.lora for r in eng.scheduler.running if r.sampling.lora}
+    seen_per_step.append(len(running))
+    for r in eng.scheduler.running:  # a running request's adapter is in its slot
+      if r.sampling.lora:
+        assert slots.slot_of[r.sampling.lora] == r.lora_slot
+  assert max(seen_per_step) <= 2
+  assert [r.output_token_ids for r in reqs] == alone
+  assert slots.num_evictions >= 1 and not slots.users
+
+
+def test_prefix_cache_entries_belong_to_their_adapter(lora_llm):
+  llm = lora_llm
+  prompt = llm.encode_prompt("Here is a long shared system prompt about gardening. " * 4)
+  run = lambda x: llm.engine.add_request(prompt, SamplingParams(max_tokens=2, lora=x))  # noqa
+  r1 = run("A")
+  llm.engine.run()
+  r2, r3, r4 = run("B"), run("A"), run(None)
+  llm.engine.run()
+  assert r1.cached_tokens == 0 and r2.cached_tokens == 0 and r4.cached_tokens == 0
+  assert r3.cached_tokens >= 32  # A's own pages
+
+
+def test_bad_adapters_fail_early_and_the_engine_serves_on(smollm2, lora_llm, adapters,
+                                                            tmp_path):
+  from jaxinfer.config import ModelConfig
+  llm = lora_llm
+  with pytest.raises(ValueError, match=r"unknown LoRA adapter 'Z'.*\['A', 'B', 'C'\]"):
+    llm.generate(["hi"], SamplingParams(lora="Z"))
+  with pytest.raises(ValueError, match="lora must be an adapter name"):
+    SamplingParams(lora="")
+  with pytest.raises(AdapterError, match="rank 8 is above max_lora_rank=4"):
+    load_peft(adapters["B"], smollm2.cfg, "B", max_rank=4)
+  other = ModelConfig(name="tiny", family="qwen3", vocab_size=128, hidden_size=64,
+                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True,
+                      max_position=256, qk_norm=True)
+  a, b = random_adapter_factors(other, 2, ("wq",))
+  save_peft(str(tmp_path / "tiny"), a, b, other, rank=2, alpha=2)
+  with pytest.raises(AdapterError, match=r"'tiny'.*q_proj: lora_A \(2, 64\).*in=576"):
+    llm.add_lora("tiny", str(tmp_path / "tiny"))
+  from safetensors.numpy import save_file
+  bad = tmp_path / "head"
+  bad.mkdir()
+  (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+  save_file({"base_model.model.lm_head.lora_A.weight": np.zeros((2, 576), np.float32)},
+            str(bad / "adapter_model.safetensors"))
+  with pytest.raises(AdapterError, match="'head'.*'base_model.model.lm_head.lora_A.weight'"):
+    llm.add_lora("head", str(bad))
+  with pytest.raises(AdapterError, match="adapter_config.json not found"):
+    llm.add_lora("none", str(tmp_path))
+  conf = json.loads(open(os.path.join(adapters["A"], "adapter_config.json")).read())
+  (tmp_path / "dora").mkdir()
+  (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps(dict(conf, use_dora=True)))
+  with pytest.raises(AdapterError, match="use_dora=true is not supported"):
+    load_peft(str(tmp_path / "dora"), smollm2.cfg)
+  with pytest.raises(ValueError, match="max_loras must be an integer >= 0"):
+    LLM(smollm2, warmup=False, max_loras=-1)
+  assert sorted(llm.executor.lora_adapters) == ["A", "B", "C"]  # nothing registered
+  assert _alone(llm, PROMPTS[0], "B", 4) == _alone(llm, PROMPTS[0], "B", 4)  # serves on
+  llm.add_lora("A2", adapters["A"])  # a good one registers while serving
+  assert _alone(llm, PROMPTS[0], "A2") == _alone(llm, PROMPTS[0], "A")
+
+
+def test_adapter_slots_pin_running_adapters_and_replace_the_least_recently_used():
+  s = AdapterSlots(2)
+  assert s.acquire("a") == 1 and s.acquire("b") == 2 and s.acquire("a") == 1
+  assert s.take_loads() == [(1, "a"), (2, "b")]
+  assert not s.can_acquire("c")  # both pinned
+  s.release("b")
+  assert s.can_acquire("c") and s.acquire("c") == 2 and s.num_evictions == 1
+  s.release("a")
+  s.release("a")
+  s.release("c")
+  assert s.acquire("a") == 1 and s.take_loads() == [(2, "c")]  # a was still resident
+  s.acquire("b")  # replaces c, the least recently used idle one
+  assert s.take_loads() == [(2, "b")]
+  with pytest.raises(RuntimeError, match="released more often"):
+    s.release("c")
+  failed = []
+  s.release("b")
+  s.acquire("d")
+
+  def boom(loads):
+    failed.extend(loads)
+    raise OSError("device lost")
+
+  with pytest.raises(OSError):
+    s.load_pending(boom)
+  assert s.take_loads() == failed == [(2, "d")]  # queued again for the next step
