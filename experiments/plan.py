@@ -6,6 +6,7 @@
   python -m experiments.plan offload --offload_sets=9 --prefetch_buffers=2
   python -m experiments.plan spec --acceptance=0.7 --num_draft=8
   python -m experiments.plan select --kv_budget_gib=12 --output_tokens=256 --output_dir=out/plan
+  python -m experiments.plan lora --rank=16 --targets=q,v --num_adapters=100 --json
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ flags.DEFINE_integer("prefetch_buffers", 2, "offload: 1 (serial) or 2 (overlappe
 flags.DEFINE_float("acceptance", 0.7, "spec: per-position acceptance a")
 flags.DEFINE_integer("num_draft", 8, "spec: longest draft considered")
 flags.DEFINE_float("draft_ms", 0.5, "spec: drafting time per drafted token")
+flags.DEFINE_integer("rank", 16, "lora: adapter rank")
+flags.DEFINE_list("targets", ["q", "v"], "lora: adapted weights (q,k,v,o,gate,up,down or all)")
+flags.DEFINE_integer("num_adapters", 100, "lora: adapters registered (host memory)")
+flags.DEFINE_integer("max_loras", 8, "lora: adapter slots on the device")
+flags.DEFINE_integer("batch", 16, "lora: decode batch of the round-time rows")
 flags.DEFINE_string("variants", "", "select: variants config (default configs/plan_select.json)")
 flags.DEFINE_bool("json", False, "emit JSON")
 flags.DEFINE_string("output_dir", "", "write JSON and figures here")
@@ -162,8 +168,39 @@ def cmd_select():
           "deadline_s": FLAGS.deadline_s}
 
 
+def cmd_lora():
+  """8.2.1: one adapter's bytes next to the model's matrix weights, N adapters in host
+  memory, the device slots, and the decode round at --batch as the distinct adapters in
+  it grow (each read once, its tokens' low-rank FLOPs added)."""
+  from jaxinfer.costmodel import lora
+  rm = _model()
+  cfg, hw = rm.costs.cfg, rm.hw
+  targets = lora.parse_targets(FLAGS.targets)
+  bpv = rm.costs.bytes_per_param
+  params = lora.adapter_params(cfg, FLAGS.rank, targets)
+  one = params * bpv
+  cost = lora.LoraCost.for_hardware(hw, bpv)
+  B, L = FLAGS.batch, FLAGS.input_tokens
+  plain = rm.decode_round(B, L)
+  rows = []
+  for k in (1, 2, 4, 8, 16, 32):
+    if k > B:
+      break
+    t = plain + sum(cost.step_s(params, B // k + (i < B % k)) for i in range(k))
+    rows.append({"distinct_adapters": k, "round_ms": 1e3 * t, "vs_base": t / plain})
+  return {"model": cfg.name, "rank": FLAGS.rank, "targets": list(targets),
+          "bytes_per_value": bpv, "adapter_params": params, "adapter_mib": one / MIB,
+          "num_adapters": FLAGS.num_adapters,
+          "all_adapters_mib": FLAGS.num_adapters * one / MIB,
+          "matrix_weights_mib": rm.costs.d_w / MIB,
+          "adapter_share_of_weights": one / rm.costs.d_w,
+          "max_loras": FLAGS.max_loras, "device_slots_mib": (FLAGS.max_loras + 1) * one / MIB,
+          "load_ms": 1e3 * cost.load_s(params), "link": hw.host_link or "device memory",
+          "batch": B, "context": L, "round_ms_base": 1e3 * plain, "rounds": rows}
+
+
 COMMANDS = {"capacity": cmd_capacity, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
-            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select}
+            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora}
 
 
 def _print(out, indent=""):

@@ -81,6 +81,11 @@ flags.DEFINE_bool("structured_output", False, "serve: the warm-up also compiles 
                   "token-masked variant, so response_format / guided_* requests never compile "
                   "mid-traffic (they work without it; each variant then compiles at first "
                   "use). generate: on whenever a constraint flag is given")
+flags.DEFINE_multi_string("lora", [], "a LoRA adapter as NAME=PEFT_DIR; repeatable (8.2.1). "
+                          "serve: requests pick one with model=NAME")
+flags.DEFINE_string("lora_name", None, "generate: run the prompts with this --lora adapter")
+flags.DEFINE_integer("max_loras", 0, "adapter slots on the device (0: one per --lora, at most 8)")
+flags.DEFINE_integer("max_lora_rank", 16, "the largest adapter rank the slots hold")
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
 flags.DEFINE_integer("port", 8000, "serve: TCP port")
 flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")
@@ -104,7 +109,8 @@ def _sampling_params(n):
                           presence_penalty=FLAGS.presence_penalty,
                           frequency_penalty=FLAGS.frequency_penalty,
                           repetition_penalty=FLAGS.repetition_penalty,
-                          min_tokens=FLAGS.min_tokens, logprobs=FLAGS.logprobs, **constraint)
+                          min_tokens=FLAGS.min_tokens, logprobs=FLAGS.logprobs,
+                          lora=FLAGS.lora_name, **constraint)
            for i in range(n)]
     if sps[0].constraint is not None:  # compiles without the tokenizer: before the load
       from jaxinfer.structured import check_constraint
@@ -153,6 +159,12 @@ def _check_engine_flags():
   for name in ("page_size", "num_pages", "num_draft", "max_num_batched_tokens", "max_num_seqs"):
     if getattr(FLAGS, name) < 1:
       _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  loras = _lora_flags()
+  if FLAGS.lora_name is not None and FLAGS.lora_name not in loras:
+    _usage_error(f"--lora_name={FLAGS.lora_name}: no such --lora (given: {sorted(loras)})")
+  if FLAGS.max_loras < 0 or FLAGS.max_lora_rank < 1:
+    _usage_error(f"--max_loras must be >= 0 and --max_lora_rank >= 1, got {FLAGS.max_loras} "
+                 f"and {FLAGS.max_lora_rank}")
   if FLAGS.max_model_len < 0 or FLAGS.max_model_len == 1:
     _usage_error(f"--max_model_len must be 0 (the model's) or >= 2, got {FLAGS.max_model_len}")
   if not FLAGS.buckets:
@@ -162,6 +174,22 @@ def _check_engine_flags():
     return BucketTable.from_json(FLAGS.buckets)
   except (OSError, ValueError) as e:
     _usage_error(f"--buckets={FLAGS.buckets}: {e}")
+
+
+def _lora_flags() -> dict:
+  """--lora NAME=DIR flags as {name: dir}; each directory must exist."""
+  import os
+  out = {}
+  for item in FLAGS.lora:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+      _usage_error(f"--lora={item}: expected NAME=PEFT_DIR")
+    if name in out:
+      _usage_error(f"--lora: adapter name {name!r} given twice")
+    if not os.path.isdir(path):
+      _usage_error(f"--lora={item}: {path} is not a directory")
+    out[name] = path
+  return out
 
 
 def _make_llm(buckets, max_num_seqs=None, structured_output=False):
@@ -176,7 +204,9 @@ def _make_llm(buckets, max_num_seqs=None, structured_output=False):
              policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
              max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
              deadline_admission=FLAGS.deadline_admission,
-             buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output)
+             buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output,
+             lora_adapters=_lora_flags(), max_loras=FLAGS.max_loras or None,
+             max_lora_rank=FLAGS.max_lora_rank)
 
 
 def _serve():

@@ -227,3 +227,98 @@ def test_adapter_slots_pin_running_adapters_and_replace_the_least_recently_used(
   with pytest.raises(OSError):
     s.load_pending(boom)
   assert s.take_loads() == failed == [(2, "d")]  # queued again for the next step
+
+
+def test_the_simulator_reads_each_distinct_adapter_once_per_step():
+  """Four requests of one adapter cost one adapter read per step; four adapters four."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.costmodel.lora import LoraCost
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  cost = LoraCost(bytes_per_value=2.0, read_bytes_per_s=1e9, flops_per_s=1e15,
+                  link_bytes_per_s=1e9)
+  base = AffineStepModel(fixed_s=1e-3, per_token_s=0.0, per_pair_s=0.0)
+
+  def itl(names):
+    ex = SimExecutor(base, num_pages=256, page_size=16, max_loras=4, lora_cost=cost,
+                     lora_adapters={n: 1_000_000 for n in "abcd"})
+    eng = Engine(ex, SchedulerConfig("chunked", 4, 256, 256),
+                 buckets=BucketTable.default(256, 4, 8))
+    reqs = [eng.add_request([1] * 8, SamplingParams(max_tokens=5, ignore_eos=True, lora=n),
+                            arrival_time=0.0) for n in names]
+    eng.run()
+    assert eng.scheduler.adapters.num_loads == len({n for n in names if n})
+    return np.median([x for r in reqs for x in r.itls])
+
+  read = 1_000_000 * 2.0 / 1e9  # one adapter's bytes at 1 GB/s
+  assert itl([None] * 4) == pytest.approx(1e-3, rel=1e-6)
+  assert itl(["a"] * 4) == pytest.approx(1e-3 + read, rel=1e-3)
+  assert itl(list("abcd")) == pytest.approx(1e-3 + 4 * read, rel=1e-3)
+
+
+def test_plan_lora_prints_adapter_bytes_next_to_the_model(tmp_path):
+  import subprocess
+  import sys
+  from experiments.common import ROOT
+  out = subprocess.run([sys.executable, "-m", "experiments.plan", "lora", "--model=qwen3-8b",
+                        "--rank=16", "--targets=q,v", "--num_adapters=100", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  got = json.loads(out)
+  # Qwen3-8B: 36 layers; q: 4096 -> 32 x 128, v: 4096 -> 8 x 128; bf16
+  one = 36 * 16 * ((4096 + 4096) + (4096 + 1024)) * 2
+  assert got["adapter_mib"] == pytest.approx(one / 2**20)
+  assert got["all_adapters_mib"] == pytest.approx(100 * one / 2**20)
+  assert 0.0009 < got["adapter_share_of_weights"] < 0.0011  # of ~14.4 GiB of matrices
+  ms = [r["round_ms"] for r in got["rounds"]]
+  assert ms == sorted(ms) and ms[0] > got["round_ms_base"]
+
+
+def test_cli_serves_an_adapter_and_checks_lora_flags_before_loading(lora_llm, adapters):
+  import subprocess
+  import sys
+  from experiments.common import ROOT
+  cmd = [sys.executable, "-m", "jaxinfer", "generate", "--warmup=false", "--max_tokens=6",
+         "--prompt=" + PROMPTS[0], "--json", "--max_num_seqs=4",
+         "--max_num_batched_tokens=32", "--num_pages=256"]
+  for bad, msg in ((["--lora=A"], "expected NAME=PEFT_DIR"),
+                   ([f"--lora=A={adapters['A']}", "--lora_name=B"], "no such --lora"),
+                   (["--lora=A=/nonexistent"], "is not a directory")):
+    p = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+  p = subprocess.run(cmd + [f"--lora=A={adapters['A']}", f"--lora=B={adapters['B']}",
+                            "--lora_name=B"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
+  assert p.returncode == 0, p.stderr
+  got = json.loads(p.stdout.strip().splitlines()[-1])
+  want = lora_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, lora="B"))[0]
+  assert got["token_ids"] == want.token_ids
+
+
+@pytest.mark.slow
+def test_train_lora_teaches_a_behaviour_saved_in_peft_format(smollm2, tmp_path):
+  """tools/train_lora.py's loop on two fixed answers: the answer NLL falls, the adapter
+  saves as PEFT, loads in the engine, and the trained answer comes out of it."""
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+  import train_lora
+  llm = LLM(smollm2, warmup=False, max_num_seqs=2, max_num_batched_tokens=64,
+            max_loras=1, num_pages=128)
+  eos = smollm2.tokenizer.eos_token_ids[0]
+  answer = smollm2.tokenizer.encode("I AM A TEAPOT.") + [eos]
+  examples = []
+  for q in ("What is the sun?", "Name a colour."):
+    p = llm.encode_prompt(q, chat=True)
+    examples.append((p + answer, [0] * len(p) + [1] * len(answer)))
+  factors, hist = train_lora.train(smollm2, examples, targets=("wq", "wv", "w_down"), rank=4,
+                                   alpha=8.0, batch=2, steps=14, lr=5e-3, seed=0, log_every=1)
+  assert hist[-1][1] < 0.2 * hist[0][1], hist
+  path = str(tmp_path / "teapot")
+  save_peft(path, {t: np.asarray(v) for t, v in factors["a"].items()},
+            {t: np.asarray(v) for t, v in factors["b"].items()}, smollm2.cfg, rank=4, alpha=8.0)
+  llm.add_lora("teapot", path)
+  out = llm.generate(["What is the sun?"], SamplingParams(max_tokens=8, lora="teapot"),
+                     chat=True)[0]
+  assert out.text.startswith("I AM A TEAPOT"), out.text
+  base = llm.generate(["What is the sun?"], SamplingParams(max_tokens=8), chat=True)[0]
+  assert not base.text.startswith("I AM A TEAPOT")

@@ -38,10 +38,22 @@ def _get(url, timeout=5.0) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
+def adapter(smollm2, tmp_path_factory):
+  """A LoRA adapter "upper" (random, rank 4, q/v/down) that the server serves by name."""
+  from jaxinfer.lora import save_peft
+  from jaxinfer.lora.adapter import random_adapter_factors
+  path = str(tmp_path_factory.mktemp("lora") / "upper")
+  a, b = random_adapter_factors(smollm2.cfg, 4, ("wq", "wv", "w_down"), seed=5)
+  save_peft(path, a, b, smollm2.cfg, rank=4, alpha=8)
+  return path
+
+
+@pytest.fixture(scope="module")
+def server(adapter):
   port = _free_port()
   args = [sys.executable, "-m", "jaxinfer", "serve", f"--port={port}", f"--api_key={KEY}",
-          "--warmup=false", "--max_queue=64"] + [f"--{k}={v}" for k, v in ENGINE.items()]
+          "--warmup=false", "--max_queue=64", f"--lora=upper={adapter}"] + [
+              f"--{k}={v}" for k, v in ENGINE.items()]
   proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
   base = f"http://127.0.0.1:{port}"
@@ -67,9 +79,9 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def offline(smollm2):
+def offline(smollm2, adapter):
   from jaxinfer.llm import LLM
-  return LLM(smollm2, warmup=False, **ENGINE)
+  return LLM(smollm2, warmup=False, lora_adapters={"upper": adapter}, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +290,24 @@ def test_long_prompt_unknown_model_and_wrong_key(server, client):
   bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
   with pytest.raises(openai.AuthenticationError):
     bad.models.list()
-  assert [m.id for m in client.models.list()] == [MODEL]
+  models = client.models.list().data
+  assert [m.id for m in models] == [MODEL, "upper"]
+  assert models[1].model_extra["parent"] == MODEL
+
+
+def test_a_lora_adapter_is_served_by_its_name(client, offline):
+  """model=<adapter> runs the request under that adapter (vLLM's convention), streamed
+  and not, equal to the offline LLM with SamplingParams(lora=...)."""
+  msgs = [{"role": "user", "content": QUESTIONS[1]}]
+  want = offline.chat([msgs], SamplingParams(max_tokens=16, lora="upper"))[0]
+  base = offline.chat([msgs], SamplingParams(max_tokens=16))[0]
+  assert want.token_ids != base.token_ids
+  got = client.chat.completions.create(model="upper", messages=msgs, max_tokens=16,
+                                       temperature=0)
+  assert got.choices[0].message.content == want.text and got.model == "upper"
+  streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+      model="upper", messages=msgs, max_tokens=16, temperature=0, stream=True) if c.choices)
+  assert streamed == want.text
 
 
 def test_sigterm_finishes_cleanly(server):

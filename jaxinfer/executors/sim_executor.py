@@ -28,24 +28,6 @@ class StepTimeModel(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraCost:
-  """What adapters add to a step (8.2.1, grouped low-rank work): per distinct adapter its
-  A/B bytes read once at the device's bandwidth plus 2 FLOPs per parameter per token at
-  its compute rate; a load into a slot moves its bytes over the host link."""
-  bytes_per_value: float
-  read_bytes_per_s: float
-  flops_per_s: float
-  link_bytes_per_s: float
-
-  def step_s(self, params: int, tokens: int) -> float:
-    return (params * self.bytes_per_value / self.read_bytes_per_s
-            + 2.0 * params * tokens / self.flops_per_s)
-
-  def load_s(self, params: int) -> float:
-    return params * self.bytes_per_value / self.link_bytes_per_s
-
-
-@dataclasses.dataclass(frozen=True)
 class AffineStepModel:
   """8.2.2's iteration time, fitted to experiment 8-1 at batch 1 (Qwen3-8B, RTX PRO 6000):
   26.22 ms fixed + 30.4 us per new token + 3 ns per causal (query, key) pair."""
@@ -90,9 +72,9 @@ class SimExecutor:
     one-token requests with no context (8.2.4: 17-32 rows run the 32-row graph);
     compile_s: seconds charged the first time a bucket shape runs (a compile, as the real
     engine pays without warm-up); `compiles` counts them.
-    lora_adapters {name: parameter count}, max_loras, lora_cost (a LoraCost): multi-LoRA
-    (8.2.1) — each distinct adapter in a step reads its A and B once and every token runs
-    its low-rank products; each load into a slot crosses the host link."""
+    lora_adapters {name: parameter count}, max_loras, lora_cost (costmodel.lora.LoraCost):
+    multi-LoRA (8.2.1) — each distinct adapter in a step reads its A and B once and every
+    token runs its low-rank products; each load into a slot crosses the host link."""
     if compile_s < 0 or not np.isfinite(compile_s):
       raise ValueError(f"compile_s must be a finite number >= 0, got {compile_s!r}")
     self.step_model = model

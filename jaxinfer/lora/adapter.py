@@ -20,11 +20,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.costmodel.lora import adapter_bytes, target_shape  # noqa: F401 (re-exported)
 
 # PEFT / HF module name -> the weight it adapts here.
 MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
            "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-TARGETS = tuple(MODULES.values())  # the fixed order of targets everywhere
+TARGETS = tuple(MODULES.values())  # the fixed order of targets everywhere (costmodel.lora's)
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
@@ -33,21 +34,6 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|ml
 
 class AdapterError(ValueError):
   """An adapter that cannot be served: the message names the adapter and the mismatch."""
-
-
-def target_shape(cfg: ModelConfig, target: str) -> Tuple[int, int]:
-  """(in, out) of the adapted weight."""
-  D, F = cfg.hidden_size, cfg.intermediate_size
-  NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  return {"wq": (D, NH), "wk": (D, KH), "wv": (D, KH), "wo": (NH, D), "w_gate": (D, F),
-          "w_up": (D, F), "w_down": (F, D)}[target]
-
-
-def adapter_bytes(cfg: ModelConfig, rank: int, targets: Sequence[str],
-                  bytes_per_value: float = 2.0) -> int:
-  """Bytes of one adapter's A and B over every layer (the cost model's adapter size)."""
-  per_layer = sum(rank * sum(target_shape(cfg, t)) for t in targets)
-  return int(cfg.num_layers * per_layer * bytes_per_value)
 
 
 @dataclasses.dataclass

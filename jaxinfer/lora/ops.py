@@ -6,10 +6,14 @@ is all zeros = no adapter; the scaling is folded into b). A step that carries ad
 gets the pool and per-token index arrays in its inputs; a step without them compiles and
 runs without any of this (the inputs' structure is static).
 
-Three ways to compute y[t] = (x[t] @ a[s_t]) @ b[s_t] for the step's tokens, chosen per
+Four ways to compute y[t] = (x[t] @ a[s_t]) @ b[s_t] for the step's tokens, chosen per
 step by which index arrays it carries:
   gather  (BGMV) per-token gather of the token's A and B: `lora_slot` [T]
-  segment (SGMV) tokens sorted by slot, one grouped matmul per factor (lax.ragged_dot):
+  segment (SGMV) tokens grouped by slot into blocks of BLOCK rows, each block one
+          adapter's (groups padded to whole blocks), one batched matmul per factor with
+          A and B gathered per block: `lora_rows` [NB * BLOCK], `lora_block_slot` [NB],
+          `lora_inv` [T]
+  ragged  (SGMV) tokens sorted by slot, lax.ragged_dot per factor:
           `lora_perm` [T], `lora_inv` [T], `lora_groups` [S]
   dense   every slot's low-rank product as two dense matmuls, masked per token:
           `lora_onehot` [T, S]
@@ -26,11 +30,13 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.lora.adapter import LoraAdapter, target_shape
 
-MODES = ("gather", "segment", "dense")
+MODES = ("gather", "segment", "ragged", "dense")
+BLOCK = 16  # rows per segment block
 # Chosen by tools/bench_lora.py on the 2-core CPU (see the README's LoRA section).
 DECODE_MODE = "dense"
 PREFILL_MODE = "segment"
-INDEX_KEYS = ("lora_slot", "lora_perm", "lora_inv", "lora_groups", "lora_onehot")
+INDEX_KEYS = ("lora_slot", "lora_rows", "lora_block_slot", "lora_perm", "lora_inv",
+              "lora_groups", "lora_onehot")
 
 
 def allocate(cfg: ModelConfig, targets, num_slots: int, rank: int, dtype) -> Dict:
@@ -73,7 +79,22 @@ def index_arrays(slot_per_token: np.ndarray, num_slots: int, mode: str) -> Dict[
   s = np.asarray(slot_per_token, np.int32)
   if mode == "gather":
     return {"lora_slot": s}
-  if mode == "segment":
+  if mode == "segment":  # static size: T rows plus at most BLOCK - 1 padding per slot
+    T, S = len(s), num_slots + 1
+    nb = -(-(T + S * (BLOCK - 1)) // BLOCK)
+    rows = np.full(nb * BLOCK, T, np.int32)  # T: a zero row (padding)
+    block_slot = np.zeros(nb, np.int32)
+    inv = np.zeros(T, np.int32)
+    at = 0
+    for slot in np.unique(s):
+      toks = np.nonzero(s == slot)[0]
+      rows[at:at + len(toks)] = toks
+      inv[toks] = np.arange(at, at + len(toks))
+      n_blocks = -(-len(toks) // BLOCK)
+      block_slot[at // BLOCK:at // BLOCK + n_blocks] = slot
+      at += n_blocks * BLOCK
+    return {"lora_rows": rows, "lora_block_slot": block_slot, "lora_inv": inv}
+  if mode == "ragged":
     perm = np.argsort(s, kind="stable").astype(np.int32)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm), dtype=np.int32)
@@ -91,7 +112,14 @@ def delta(x, a, b, batch):
   """x [T, in], a [S, in, r], b [S, r, out] -> the adapters' addition [T, out] (f32)."""
   xf = x.astype(jnp.float32)
   af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
-  if "lora_perm" in batch:  # SGMV
+  if "lora_rows" in batch:  # SGMV in blocks
+    sl = batch["lora_block_slot"]
+    nb = sl.shape[0]
+    xp = jnp.concatenate([xf, jnp.zeros((1, xf.shape[1]), xf.dtype)])[batch["lora_rows"]]
+    h = jnp.einsum("bki,bir->bkr", xp.reshape(nb, -1, xf.shape[1]), af[sl])
+    y = jnp.einsum("bkr,bro->bko", h, bf[sl])
+    return y.reshape(-1, y.shape[-1])[batch["lora_inv"]]
+  if "lora_perm" in batch:  # SGMV by lax.ragged_dot
     groups = batch["lora_groups"]
     h = jax.lax.ragged_dot(xf[batch["lora_perm"]], af, groups)
     return jax.lax.ragged_dot(h, bf, groups)[batch["lora_inv"]]

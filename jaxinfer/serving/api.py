@@ -67,9 +67,12 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model", model_name)
-    if model != model_name:
+    if model != model_name and (not isinstance(model, str) or
+                                model not in llm.executor.lora_adapters):
+      served = [model_name] + sorted(llm.executor.lora_adapters)
       raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                     f"{model_name!r}", "model", code="model_not_found")
+                     f"{served} (a LoRA adapter by its name)", "model",
+                     code="model_not_found")
     return body
 
   def _encode(prompt, param: str) -> List[int]:
@@ -164,6 +167,9 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     body = await _body(request)
     n, sp0, extras = sampling_from_body(body, chat=chat, max_model_len=max_model_len,
                                         default_max_tokens=default_max_tokens)
+    extras["model"] = body.get("model", model_name)
+    if extras["model"] != model_name:  # a LoRA adapter's name (8.2.1), as vLLM serves them
+      sp0 = dataclasses.replace(sp0, lora=extras["model"])
     if chat:
       msgs = messages_from_body(body)
       try:
@@ -238,7 +244,8 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     n_prompt = extras["prompt_tokens"]
     n_out = sum(len(t) for t in toks)
     return _json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                       "created": int(time.time()), "model": model_name, "choices": choices,
+                       "created": int(time.time()), "model": extras["model"],
+                       "choices": choices,
                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                  "total_tokens": n_prompt + n_out}})
 
@@ -257,7 +264,8 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
         c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
       else:
         c = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-      out = {"id": rid, "object": obj, "created": t_created, "model": model_name, "choices": [c]}
+      out = {"id": rid, "object": obj, "created": t_created, "model": extras["model"],
+             "choices": [c]}
       if extras["include_usage"]:
         out["usage"] = None
       return _sse(out)
@@ -290,7 +298,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
           yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs)
       if extras["include_usage"]:
         n_prompt = extras["prompt_tokens"]
-        yield _sse({"id": rid, "object": obj, "created": t_created, "model": model_name,
+        yield _sse({"id": rid, "object": obj, "created": t_created, "model": extras["model"],
                     "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                              "total_tokens": n_prompt + n_out}})
       yield "data: [DONE]\n\n"
@@ -321,9 +329,12 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       _check_auth(request)
     except ApiError as e:
       return _error(e)
-    return _json(200, {"object": "list", "data": [
-        {"id": model_name, "object": "model", "created": created, "owned_by": "jaxinfer",
-         "max_model_len": max_model_len}]})
+    base = {"object": "model", "created": created, "owned_by": "jaxinfer",
+            "max_model_len": max_model_len}
+    return _json(200, {"object": "list", "data": [dict(base, id=model_name, root=model_name,
+                                                       parent=None)] + [
+        dict(base, id=name, root=a.path or name, parent=model_name)  # LoRA adapters
+        for name, a in sorted(llm.executor.lora_adapters.items())]})
 
   @app.get("/health")
   async def health():
