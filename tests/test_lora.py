@@ -80,7 +80,7 @@ def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters)
     step = pack_exact(works, 16, 64)
     a = dict(step.arrays)
     slots = a.pop("lora_slot")
-    a.update(ops.index_arrays(slots, 3, mode), lora=ex.lora_pool)
+    a.update(ops.index_arrays(slots, 3, mode, ex.lora_rank), lora=ex.lora_pool)
     from jaxinfer.step import model_step
     (_, logits), ex.pool = model_step(ex.params, ex.pool, a, cfg=cfg,
                                       attn_shape=step.bucket.attn_shape, backend="xla",
@@ -322,3 +322,25 @@ def test_train_lora_teaches_a_behaviour_saved_in_peft_format(smollm2, tmp_path):
   assert out.text.startswith("I AM A TEAPOT"), out.text
   base = llm.generate(["What is the sun?"], SamplingParams(max_tokens=8), chat=True)[0]
   assert not base.text.startswith("I AM A TEAPOT")
+
+
+def test_lora_study_small(tmp_path):
+  """experiments.lora at CI size: real and simulated rows for k = 0, 1, 4 distinct
+  adapters; simulated throughput falls as adapters are added (each is read once per
+  step), the real run loads each adapter once."""
+  import subprocess
+  import sys
+  from experiments.common import ROOT
+  p = subprocess.run([sys.executable, "-m", "experiments.lora", "--small", "--json",
+                      f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  got = json.loads(p.stdout[p.stdout.index("{"):])
+  sim = got["simulated"]["rows"]
+  assert [r["distinct"] for r in sim] == [0, 1, 4]
+  tps = [r["tokens_per_s"] for r in sim]
+  assert tps[0] > tps[1] > tps[2]
+  real = got["real"]["rows"]
+  assert [r["adapter_loads"] for r in real] == [0, 1, 4]
+  assert all(r["tokens_per_s"] > 0 for r in real)
+  assert os.path.isfile(tmp_path / "lora.png")

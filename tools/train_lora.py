@@ -98,7 +98,7 @@ def train(model, examples, *, targets, rank: int, alpha: float, batch: int, step
   scale = alpha / rank
 
   def loss_fn(factors, tok, tgt, mask):
-    lora = {t: {"a": factors["a"][t][:, None], "b": factors["b"][t][:, None] * scale}
+    lora = {t: {"a": factors["a"][t][:, :, None], "b": factors["b"][t][:, None] * scale}
             for t in targets}
     x, _, _ = transformer.hidden_states(params, pool, dict(meta, token_ids=tok, lora=lora),
                                         cfg, attn_shape=attn_shape, backend="reference")

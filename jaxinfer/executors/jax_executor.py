@@ -115,7 +115,8 @@ class JaxExecutor:
     arrays = dict(arrays)
     slots = arrays.pop("lora_slot")
     mode = ops.PREFILL_MODE if bucket.prefill_slots else ops.DECODE_MODE
-    arrays.update(ops.index_arrays(slots, self.max_loras, mode), lora=self.lora_pool)
+    arrays.update(ops.index_arrays(slots, self.max_loras, mode, self.lora_rank),
+                  lora=self.lora_pool)
     return arrays
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None:

@@ -1,8 +1,10 @@
 """The device side of multi-LoRA (8.2.1, Punica / S-LoRA): the adapter pool and the
 grouped low-rank product the model adds to an adapted projection.
 
-Pool: per target, a [L, S, in, r] and b [L, S, r, out] (S = max_loras + 1 slots; slot 0
-is all zeros = no adapter; the scaling is folded into b). A step that carries adapters
+Pool: per target, a [L, in, S, r] and b [L, S, r, out] (S = max_loras + 1 slots; slot 0
+is all zeros = no adapter; the scaling is folded into b). The layout lets every mode read
+a layer's factors without a transpose: a [in, S, r] is a [in, S * r] matrix for the
+dense mode and gathers along its slot axis for the others. A step that carries adapters
 gets the pool and per-token index arrays in its inputs; a step without them compiles and
 runs without any of this (the inputs' structure is static).
 
@@ -16,7 +18,7 @@ step by which index arrays it carries:
   ragged  (SGMV) tokens sorted by slot, lax.ragged_dot per factor:
           `lora_perm` [T], `lora_inv` [T], `lora_groups` [S]
   dense   every slot's low-rank product as two dense matmuls, masked per token:
-          `lora_onehot` [T, S]
+          `lora_onehot` [T, S * r]
 `tools/bench_lora.py` measures them; DECODE_MODE / PREFILL_MODE are its winners here.
 """
 from __future__ import annotations
@@ -45,13 +47,14 @@ def allocate(cfg: ModelConfig, targets, num_slots: int, rank: int, dtype) -> Dic
   pool = {}
   for t in targets:
     d_in, d_out = target_shape(cfg, t)
-    pool[t] = {"a": jnp.zeros((cfg.num_layers, S, d_in, rank), dtype),
+    pool[t] = {"a": jnp.zeros((cfg.num_layers, d_in, S, rank), dtype),
                "b": jnp.zeros((cfg.num_layers, S, rank, d_out), dtype)}
   return pool
 
 
 def _write(pool, slot, data):
-  return {t: {k: v.at[:, slot].set(data[t][k].astype(v.dtype)) for k, v in d.items()}
+  return {t: {"a": d["a"].at[:, :, slot].set(data[t]["a"].astype(d["a"].dtype)),
+              "b": d["b"].at[:, slot].set(data[t]["b"].astype(d["b"].dtype))}
           for t, d in pool.items()}
 
 
@@ -62,7 +65,7 @@ def slot_data(pool, adapter: LoraAdapter) -> Dict:
   """The adapter's weights padded to the pool's rank, zeros for targets it lacks."""
   out = {}
   for t, d in pool.items():
-    L, _, d_in, r = d["a"].shape
+    L, d_in, _, r = d["a"].shape
     d_out = d["b"].shape[-1]
     a = np.zeros((L, d_in, r), np.float32)
     b = np.zeros((L, r, d_out), np.float32)
@@ -74,7 +77,8 @@ def slot_data(pool, adapter: LoraAdapter) -> Dict:
   return out
 
 
-def index_arrays(slot_per_token: np.ndarray, num_slots: int, mode: str) -> Dict[str, np.ndarray]:
+def index_arrays(slot_per_token: np.ndarray, num_slots: int, mode: str,
+                 rank: int) -> Dict[str, np.ndarray]:
   """The step's per-token index arrays for `mode` (host side, NumPy)."""
   s = np.asarray(slot_per_token, np.int32)
   if mode == "gather":
@@ -103,39 +107,42 @@ def index_arrays(slot_per_token: np.ndarray, num_slots: int, mode: str) -> Dict[
   if mode == "dense":
     onehot = np.zeros((len(s), num_slots + 1), np.float32)
     onehot[np.arange(len(s)), s] = 1.0
-    onehot[:, 0] = 0.0  # slot 0 is zeros anyway: skip its product
-    return {"lora_onehot": onehot}
+    onehot[:, 0] = 0.0  # slot 0 is zeros anyway
+    return {"lora_onehot": np.repeat(onehot, rank, axis=1)}  # [T, S * r]
   raise ValueError(f"unknown LoRA mode {mode!r}; choose one of {MODES}")
 
 
-def delta(x, a, b, batch):
-  """x [T, in], a [S, in, r], b [S, r, out] -> the adapters' addition [T, out] (f32)."""
+def delta(x, a, b, layer, batch):
+  """x [T, in]; a [L, in, S, r], b [L, S, r, out] (the whole pool: only what the mode
+  needs of layer `layer` is read) -> the adapters' addition [T, out] (f32)."""
   xf = x.astype(jnp.float32)
-  af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
-  if "lora_rows" in batch:  # SGMV in blocks
+  _, d_in, S, r = a.shape
+  f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+  if "lora_onehot" in batch:  # all slots as two dense matmuls, masked per token
+    h = (xf @ f32(a[layer]).reshape(d_in, S * r)) * batch["lora_onehot"]  # [T, S * r]
+    return h @ f32(b[layer]).reshape(S * r, -1)
+  if "lora_rows" in batch:  # SGMV in blocks: one gather of each block's A and B
     sl = batch["lora_block_slot"]
-    nb = sl.shape[0]
-    xp = jnp.concatenate([xf, jnp.zeros((1, xf.shape[1]), xf.dtype)])[batch["lora_rows"]]
-    h = jnp.einsum("bki,bir->bkr", xp.reshape(nb, -1, xf.shape[1]), af[sl])
-    y = jnp.einsum("bkr,bro->bko", h, bf[sl])
+    xp = jnp.concatenate([xf, jnp.zeros((1, d_in), xf.dtype)])[batch["lora_rows"]]
+    # (a scalar and an array index around a slice: the gathered axis comes first)
+    h = jnp.einsum("bki,bir->bkr", xp.reshape(sl.shape[0], -1, d_in), f32(a[layer, :, sl]))
+    y = jnp.einsum("bkr,bro->bko", h, f32(b[layer, sl]))
     return y.reshape(-1, y.shape[-1])[batch["lora_inv"]]
   if "lora_perm" in batch:  # SGMV by lax.ragged_dot
     groups = batch["lora_groups"]
-    h = jax.lax.ragged_dot(xf[batch["lora_perm"]], af, groups)
-    return jax.lax.ragged_dot(h, bf, groups)[batch["lora_inv"]]
-  if "lora_onehot" in batch:  # all slots as two dense matmuls, masked per token
-    S, d_in, r = af.shape
-    h = xf @ jnp.transpose(af, (1, 0, 2)).reshape(d_in, S * r)  # [T, S*r]
-    h = (h.reshape(-1, S, r) * batch["lora_onehot"][:, :, None]).reshape(-1, S * r)
-    return h @ bf.reshape(S * r, -1)
+    h = jax.lax.ragged_dot(xf[batch["lora_perm"]], jnp.transpose(f32(a[layer]), (1, 0, 2)),
+                           groups)
+    return jax.lax.ragged_dot(h, f32(b[layer]), groups)[batch["lora_inv"]]
   s = batch["lora_slot"]  # BGMV
-  h = jnp.einsum("ti,tir->tr", xf, af[s])
-  return jnp.einsum("tr,tro->to", h, bf[s])
+  h = jnp.einsum("ti,tir->tr", xf, f32(a[layer, :, s]))
+  return jnp.einsum("tr,tro->to", h, f32(b[layer, s]))
 
 
 def project(x, p, name: str, lw, batch):
-  """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA."""
+  """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
+  (lw = (pool, layer index))."""
   y = x @ p[name]
-  if lw is not None and name in lw:
-    y = y + delta(x, lw[name]["a"], lw[name]["b"], batch).astype(y.dtype)
+  if lw is not None and name in lw[0]:
+    pool, layer = lw
+    y = y + delta(x, pool[name]["a"], pool[name]["b"], layer, batch).astype(y.dtype)
   return y

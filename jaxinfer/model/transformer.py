@@ -16,7 +16,7 @@ from jaxinfer.model import layers
 
 
 def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, lw=None):
-  """One decoder layer; lw: its slice of the step's LoRA pool (jaxinfer.lora.ops) or None."""
+  """One decoder layer; lw: (the step's LoRA pool, this layer's index) or None."""
   h, k, v = layers.attention_block(
       layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
       attn_shape=attn_shape, backend=backend, lw=lw)
@@ -31,7 +31,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
   num_layers: run only the first layers (early-exit drafting); default all.
   attn_shape: (max query tokens per prefill slot, prefill slots), static (see attention.py).
-  batch["lora"] (a step carrying adapters): the adapter pool, per target a [L, S, in, r]
+  batch["lora"] (a step carrying adapters): the adapter pool, per target a [L, in, S, r]
   and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops.
   """
   dtype = params["embed"].dtype
@@ -40,16 +40,17 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   lp = params["layers"]
   L = cfg.num_layers if num_layers is None else num_layers
   lora = batch.get("lora")
-  lora_i = (lambda i: None) if lora is None else (  # noqa: E731
-      lambda i: jax.tree_util.tree_map(lambda a: a[i], lora))
+  # The pool is indexed by layer inside the ops, never sliced per layer: a scanned slice
+  # of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
+  lora_i = lambda i: None if lora is None else (lora, i)  # noqa: E731
   if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
 
     def body(x, xs):
-      p, i, lw = xs
-      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lw)
+      p, i = xs
+      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
       return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32), lora))
+    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
   elif isinstance(lp, dict):  # the first L layers: index the stacked weights in the loop
     # (a static slice lp[:L] would copy L layers' weights on every call)
 
