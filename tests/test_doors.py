@@ -12,6 +12,7 @@ def test_runtime_imports_no_jax():
           "import jaxinfer.runtime.engine, jaxinfer.runtime.speculative, jaxinfer.metrics\n"
           "import jaxinfer.runtime.accounting, jaxinfer.costmodel.formulas\n"
           "import jaxinfer.structured, jaxinfer.structured.grammar, llguidance\n"
+          "import jaxinfer.lora, jaxinfer.lora.slots, jaxinfer.costmodel.lora\n"
           "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]\n"
           "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
