@@ -295,33 +295,40 @@ def test_cli_serves_an_adapter_and_checks_lora_flags_before_loading(lora_llm, ad
   assert got["token_ids"] == want.token_ids
 
 
-@pytest.mark.slow
-def test_train_lora_teaches_a_behaviour_saved_in_peft_format(smollm2, tmp_path):
-  """tools/train_lora.py's loop on two fixed answers: the answer NLL falls, the adapter
-  saves as PEFT, loads in the engine, and the trained answer comes out of it."""
+def test_train_lora_teaches_a_behaviour_saved_in_peft_format(tmp_path):
+  """tools/train_lora.py's loop on a tiny random Qwen3 (SmolLM2's backward compiles in
+  ~130 s here; the tool's own run on it is in the README): two prompts that must be
+  answered with a fixed reply. The answer NLL falls, the adapter saves as PEFT, loads in
+  the engine, and the reply comes out of it, while the base model says something else."""
   import sys
+  import jax
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
   import train_lora
-  llm = LLM(smollm2, warmup=False, max_num_seqs=2, max_num_batched_tokens=64,
-            max_loras=1, num_pages=128)
-  eos = smollm2.tokenizer.eos_token_ids[0]
-  answer = smollm2.tokenizer.encode("I AM A TEAPOT.") + [eos]
-  examples = []
-  for q in ("What is the sun?", "Name a colour."):
-    p = llm.encode_prompt(q, chat=True)
-    examples.append((p + answer, [0] * len(p) + [1] * len(answer)))
-  factors, hist = train_lora.train(smollm2, examples, targets=("wq", "wv", "w_down"), rank=4,
-                                   alpha=8.0, batch=2, steps=14, lr=5e-3, seed=0, log_every=1)
-  assert hist[-1][1] < 0.2 * hist[0][1], hist
-  path = str(tmp_path / "teapot")
+  from jaxinfer.config import ModelConfig
+  from jaxinfer.loading.registry import LoadedModel
+  from jaxinfer.model.params import init_params
+  cfg = ModelConfig(name="tiny-qwen3", family="qwen3", vocab_size=96, hidden_size=64,
+                    intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True,
+                    max_position=256, qk_norm=True)
+  model = LoadedModel(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.2), None, "random")
+  reply = [7, 11, 13, 17, 19, 23]
+  prompts = [[1, 40, 41, 42, 2], [1, 50, 51, 2]]
+  examples = [(p + reply, [0] * len(p) + [1] * len(reply)) for p in prompts]
+  factors, hist = train_lora.train(model, examples, targets=("wq", "wv", "w_down"), rank=4,
+                                   alpha=8.0, batch=2, steps=40, lr=2e-2, seed=0, log_every=1)
+  assert hist[-1][1] < 0.05 * hist[0][1], hist
+  path = str(tmp_path / "reply")
   save_peft(path, {t: np.asarray(v) for t, v in factors["a"].items()},
-            {t: np.asarray(v) for t, v in factors["b"].items()}, smollm2.cfg, rank=4, alpha=8.0)
-  llm.add_lora("teapot", path)
-  out = llm.generate(["What is the sun?"], SamplingParams(max_tokens=8, lora="teapot"),
-                     chat=True)[0]
-  assert out.text.startswith("I AM A TEAPOT"), out.text
-  base = llm.generate(["What is the sun?"], SamplingParams(max_tokens=8), chat=True)[0]
-  assert not base.text.startswith("I AM A TEAPOT")
+            {t: np.asarray(v) for t, v in factors["b"].items()}, cfg, rank=4, alpha=8.0)
+  llm = LLM(model, warmup=False, max_num_seqs=2, max_num_batched_tokens=32, num_pages=64,
+            lora_adapters={"reply": path})
+  sp = SamplingParams(max_tokens=len(reply), ignore_eos=True)
+  for p in prompts:
+    tuned = llm.generate([p], SamplingParams(max_tokens=len(reply), ignore_eos=True,
+                                             lora="reply"))[0]
+    assert tuned.token_ids == reply
+    assert llm.generate([p], sp)[0].token_ids != reply
 
 
 def test_lora_study_small(tmp_path):
