@@ -351,3 +351,23 @@ def test_lora_study_small(tmp_path):
   assert [r["adapter_loads"] for r in real] == [0, 1, 4]
   assert all(r["tokens_per_s"] > 0 for r in real)
   assert os.path.isfile(tmp_path / "lora.png")
+
+
+def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
+  """Warm-up compiles each shape's adapter-carrying variant too (dense decode, segment
+  prefill); then base and adapter requests of any mix compile nothing."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.step import model_step
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      prefill_slot_sizes=(1, 2, 4))  # 9 shapes, each plain and with LoRA
+  llm = LLM(smollm2, buckets=table, num_pages=128, lora_adapters=adapters, max_loras=2)
+  before = model_step._cache_size()
+  rng = np.random.default_rng(0)
+  for i in range(8):
+    llm.engine.add_request(rng.integers(100, 40000, int(rng.integers(2, 30))).tolist(),
+                           SamplingParams(max_tokens=int(rng.integers(1, 6)), ignore_eos=True,
+                                          lora=[None, "A", "B", "C"][i % 4]))
+    llm.engine.step()
+  llm.engine.run()
+  assert llm.engine.scheduler.adapters.num_loads >= 3
+  assert model_step._cache_size() == before, "a warm engine with adapters compiled a shape"

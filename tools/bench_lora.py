@@ -4,16 +4,16 @@
 
 SmolLM2 f32, steps packed at exactly their shape: decode of 16 and 64 requests at 256
 tokens of context, prefill of one 256-token and four 64-token chunks. For each: the plain
-step (no adapter: the step carries nothing of LoRA), then every mode of the grouped
-low-rank product (gather = BGMV, segment = SGMV in blocks of one adapter, dense = all slots as
-two dense matmuls masked per token; ragged = SGMV via
-lax.ragged_dot) with 1, 4 and 8 distinct adapters among the step's
-requests (8 slots, random adapters of --rank over --targets). Beside each figure: the
-step's bandwidth floor (weights + KV + the distinct adapters' bytes at the measured read
-bandwidth), its compute floor (FLOPs with the low-rank products at the measured matmul
-rate of the step's shapes) and HF transformers' plain decode step at the same batch and
-context (same run). `jaxinfer.lora.ops.DECODE_MODE / PREFILL_MODE` are this table's
-winners.
+step with no adapter, on this executor with LoRA slots and on one without them (a
+step with no adapter must pay nothing for the slots), then every mode of the grouped
+low-rank product (gather = BGMV, segment = SGMV in blocks of one adapter, ragged = SGMV
+via lax.ragged_dot, dense = all slots as two dense matmuls masked per token) with 1, 4
+and 8 distinct adapters among the step's requests (8 slots, random adapters of --rank
+over --targets). Beside each figure: the step's bandwidth floor (weights + KV + the
+distinct adapters' bytes at the measured read bandwidth), its compute floor (FLOPs with
+the low-rank products at the measured matmul rate of the step's shapes) and HF
+transformers' plain decode step at the same batch and context (same run).
+`jaxinfer.lora.ops.DECODE_MODE / PREFILL_MODE` are this table's winners.
 """
 from __future__ import annotations
 
@@ -80,11 +80,18 @@ def main(argv):
     elif hf is not None:
       hf_ms = 1e3 * bm.hf_prefill(hf, new, FLAGS.repeats) * B
     plain = bm.time_step(ex, step, FLAGS.repeats)
+    # the same step on an executor without LoRA slots: what a step with no adapter pays
+    ex0 = JaxExecutor(cfg, m.params, num_pages=pages, page_size=16)
+    no_lora = bm.time_step(ex0, step, FLAGS.repeats)
+    del ex0
     name = f"{kind} {B}x{new} ctx{ctx}"
     base_flops = costs.step_flops(seqs)
     base_bytes = costs.step_bytes(seqs)
     row0 = dict(step=name, kind=kind, requests=B, context=ctx, new_tokens=new,
                 hf_ms=hf_ms)
+    rows.append(dict(row0, variant="no LoRA slots", distinct=0, ms=1e3 * no_lora,
+                     ratio=no_lora / plain, bandwidth_floor_ms=1e3 * base_bytes / bw,
+                     compute_floor_ms=1e3 * base_flops / rate))
     rows.append(dict(row0, variant="plain", distinct=0, ms=1e3 * plain, ratio=1.0,
                      bandwidth_floor_ms=1e3 * base_bytes / bw,
                      compute_floor_ms=1e3 * base_flops / rate))
@@ -106,8 +113,8 @@ def main(argv):
         rows.append(dict(row0, variant=mode, distinct=k, ms=1e3 * t, ratio=t / plain,
                          bandwidth_floor_ms=1e3 * (base_bytes + k * one) / bw,
                          compute_floor_ms=1e3 * (base_flops + lora_flops) / rate))
-    for r in rows[-(1 + len(modes) * len(distinct)):]:
-      v = r["variant"] + ("" if r["variant"] == "plain" else f" x{r['distinct']}")
+    for r in rows[-(2 + len(modes) * len(distinct)):]:
+      v = r["variant"] + (f" x{r['distinct']}" if r["distinct"] else "")
       print(f"{name:<22} {v:<16} {r['ms']:>8.1f} {r['ratio']:>8.3f} "
             f"{r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
             f"{'' if hf_ms is None else f'{hf_ms:.1f}':>8}", flush=True)

@@ -20,17 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m-instruct", "base model")
-flags.DEFINE_string("output", "out/lora-upper", "adapter directory (PEFT format)")
-flags.DEFINE_integer("rank", 8, "LoRA rank")
-flags.DEFINE_float("alpha", 16.0, "LoRA alpha (scaling = alpha / rank)")
-flags.DEFINE_list("targets", ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],
-                  "adapted weights")
-flags.DEFINE_integer("answer_tokens", 40, "tokens of each base answer used as data")
-flags.DEFINE_integer("batch", 8, "examples per step")
-flags.DEFINE_integer("steps", 60, "optimizer steps")
-flags.DEFINE_float("lr", 2e-3, "AdamW learning rate")
-flags.DEFINE_integer("seed", 0, "seed")
 
 QUESTIONS = [
     "What is the capital of France?", "Name three colours.", "How do plants grow?",
@@ -166,5 +155,22 @@ def main(argv):
         f", adapter {np.mean([upper_share(o.text) for o in ours]):.0%}")
 
 
+def _define_flags():
+  """Flags are defined when run as a program only: the tests import this module next to
+  tools/train_draft.py, and absl refuses a flag (`output`, `steps`, ...) defined twice."""
+  flags.DEFINE_string("model", "smollm2-135m-instruct", "base model")
+  flags.DEFINE_string("output", "out/lora-upper", "adapter directory (PEFT format)")
+  flags.DEFINE_integer("rank", 8, "LoRA rank")
+  flags.DEFINE_float("alpha", 16.0, "LoRA alpha (scaling = alpha / rank)")
+  flags.DEFINE_list("targets", ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],
+                    "adapted weights")
+  flags.DEFINE_integer("answer_tokens", 40, "tokens of each base answer used as data")
+  flags.DEFINE_integer("batch", 8, "examples per step")
+  flags.DEFINE_integer("steps", 60, "optimizer steps")
+  flags.DEFINE_float("lr", 2e-3, "AdamW learning rate")
+  flags.DEFINE_integer("seed", 0, "seed")
+
+
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
