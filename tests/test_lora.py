@@ -371,3 +371,19 @@ def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
   llm.engine.run()
   assert llm.engine.scheduler.adapters.num_loads >= 3
   assert model_step._cache_size() == before, "a warm engine with adapters compiled a shape"
+
+
+def test_speculative_decoding_under_an_adapter_equals_plain(smollm2, lora_llm, adapters):
+  """n-gram and early-exit drafts (drafted without the adapter) are verified by the
+  adapted target: the greedy output equals plain decoding under the same adapter."""
+  prompt = "Count with me: one, two, three, four, one, two, three, four, one, two,"
+  want = lora_llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                    lora="A"))[0].token_ids
+  for kind in ("ngram", "early_exit"):
+    spec = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32,
+               num_pages=256, lora_adapters={"A": adapters["A"]}, speculative=kind,
+               num_draft=3)
+    got = spec.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                 lora="A"))[0]
+    assert got.token_ids == want, kind
+    assert got.rounds > 0
