@@ -161,11 +161,12 @@ class LLM:
       num_pages += extra
     adapters = []
     if max_loras:
-      from jaxinfer.lora import adapter_bytes, load_peft
+      from jaxinfer.lora import load_peft
       adapters = [load_peft(p, self.cfg, n, max_rank=max_lora_rank)
                   for n, p in lora_adapters.items()]
-      num_pages = _pages_after_lora(self.cfg, adapters, max_loras, max_lora_rank, dtype,
-                                    kv_format, page_size, num_pages, adapter_bytes)
+      num_pages = _pages_after_lora(self.cfg, adapters, max_loras, max_lora_rank,
+                                    2 if dtype == "bfloat16" else 4, kv_format, page_size,
+                                    num_pages)
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=attention,
                                 offload=offload, q_precision=q_precision,
@@ -201,6 +202,8 @@ class LLM:
       raise ValueError("this LLM has no LoRA slots: construct it with max_loras >= 1")
     if not isinstance(name, str) or not name:
       raise ValueError(f"adapter name must be a non-empty str, got {name!r}")
+    if not isinstance(path, str):
+      raise ValueError(f"adapter path must be a str (a PEFT directory), got {path!r}")
     adapter = load_peft(path, self.cfg, name, max_rank=self.executor.lora_rank)
     slots = self.engine.scheduler.adapters
     if slots.users.get(name):
@@ -305,14 +308,15 @@ class LLM:
     return [RequestOutput.from_request(r) for r in reqs]
 
 
-def _pages_after_lora(cfg, adapters, max_loras, rank, dtype, kv_format, page_size, num_pages,
-                      adapter_bytes) -> int:
+def _pages_after_lora(cfg, adapters, max_loras, rank, bytes_per_value, kv_format, page_size,
+                      num_pages) -> int:
   """KV pages left once the adapter slots take their device memory (admission then sees
-  it): the pool of max_loras + 1 slots at max_lora_rank over the adapters' targets."""
+  it): the pool the executor allocates (max_loras + 1 slots of max_lora_rank over the
+  adapters' targets)."""
+  from jaxinfer.costmodel.lora import pool_bytes
   from jaxinfer.kv import bytes_per_token
-  from jaxinfer.lora import TARGETS
-  targets = [t for t in TARGETS if any(t in a.weights for a in adapters)] or list(TARGETS)
-  pool = (max_loras + 1) * adapter_bytes(cfg, rank, targets, 2 if dtype == "bfloat16" else 4)
+  from jaxinfer.lora import union_targets
+  pool = pool_bytes(cfg, max_loras, rank, union_targets(adapters), bytes_per_value)
   page = bytes_per_token(cfg, kv_format, page_size) * page_size
   taken = int(-(-pool // page))
   if taken >= num_pages:

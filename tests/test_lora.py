@@ -77,15 +77,8 @@ def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters)
            for i in range(4)]  # slot 0 = the base model
   ours = {}
   for mode in ops.MODES:
-    step = pack_exact(works, 16, 64)
-    a = dict(step.arrays)
-    slots = a.pop("lora_slot")
-    a.update(ops.index_arrays(slots, 3, mode, ex.lora_rank), lora=ex.lora_pool)
-    from jaxinfer.step import model_step
-    (_, logits), ex.pool = model_step(ex.params, ex.pool, a, cfg=cfg,
-                                      attn_shape=step.bucket.attn_shape, backend="xla",
-                                      return_logits=True)
-    ours[mode] = np.asarray(logits)
+    ex.lora_mode = mode
+    _, ours[mode] = ex.run(pack_exact(works, 16, 64), return_logits=True)
   hf = hf_model(smollm2_path)
   x = torch.tensor([ids])
   with torch.no_grad():

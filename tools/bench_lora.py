@@ -102,13 +102,9 @@ def main(argv):
         a["lora_slot"] = np.zeros(step.bucket.num_tokens, np.int32)
         for i in range(B):
           a["lora_slot"][i * new:(i + 1) * new] = per_req[i]
-        saved = ops.DECODE_MODE, ops.PREFILL_MODE
-        ops.DECODE_MODE = ops.PREFILL_MODE = mode
-        try:
-          t = bm.time_step(ex, type(step)(a, step.bucket, step.logits_rows, step.num_tokens),
-                           FLAGS.repeats)
-        finally:
-          ops.DECODE_MODE, ops.PREFILL_MODE = saved
+        ex.lora_mode = mode
+        t = bm.time_step(ex, type(step)(a, step.bucket, step.logits_rows, step.num_tokens),
+                         FLAGS.repeats)
         lora_flops = 2 * B * new * one / 4  # 2 FLOPs per adapter parameter per token
         rows.append(dict(row0, variant=mode, distinct=k, ms=1e3 * t, ratio=t / plain,
                          bandwidth_floor_ms=1e3 * (base_bytes + k * one) / bw,

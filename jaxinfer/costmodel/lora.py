@@ -51,6 +51,12 @@ def adapter_bytes(cfg: ModelConfig, rank: int, targets: Sequence[str],
   return int(adapter_params(cfg, rank, targets) * bytes_per_value)
 
 
+def pool_bytes(cfg: ModelConfig, num_slots: int, rank: int, targets: Sequence[str],
+               bytes_per_value: float) -> int:
+  """Device bytes of the adapter slots: num_slots + 1 (slot 0 = no adapter) of `rank`."""
+  return (num_slots + 1) * adapter_bytes(cfg, rank, targets, bytes_per_value)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraCost:
   """What adapters add to a step: per distinct adapter its A/B bytes read once at the

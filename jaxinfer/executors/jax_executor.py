@@ -12,6 +12,7 @@ from jaxinfer import attention
 from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
+from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
@@ -30,7 +31,7 @@ class JaxExecutor:
                kv_format: str = "f32", backend: str = "xla", offload=None,
                q_precision: str = "native", overlap_masks: Optional[bool] = None,
                lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
-               lora_targets: Sequence[str] = ()):
+               lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
@@ -42,7 +43,9 @@ class JaxExecutor:
     lora_adapters (LoraAdapter), max_loras, max_lora_rank, lora_targets: multi-LoRA
     (8.2.1): a device pool of max_loras slots of rank max_lora_rank over lora_targets
     (default: every target of the given adapters); the adapters wait in host memory
-    until a request needs them (jaxinfer.lora.slots)."""
+    until a request needs them (jaxinfer.lora.slots). lora_mode: one of lora.ops.MODES
+    for every step carrying adapters (benchmarks, tests); default: the measured winners
+    (ops.DECODE_MODE for decode-only steps, ops.PREFILL_MODE otherwise)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params
@@ -62,6 +65,9 @@ class JaxExecutor:
       self.streamer = LayerStreamer(cfg, params, offload, bpp)
       self.params = None  # the device keeps only the streamer's resident weights
     self.max_loras = int(max_loras)
+    if lora_mode is not None and lora_mode not in lora_ops.MODES:
+      raise ValueError(f"lora_mode must be one of {lora_ops.MODES} or None, got {lora_mode!r}")
+    self.lora_mode = lora_mode
     self.lora_adapters = {}  # name -> LoraAdapter (host memory)
     self.lora_pool = None
     if self.max_loras:
@@ -69,27 +75,24 @@ class JaxExecutor:
 
   # --- multi-LoRA (8.2.1) -------------------------------------------------------------------
   def _init_lora(self, adapters, max_rank: int, targets) -> None:
-    from jaxinfer.lora import TARGETS, ops
     if self.streamer is not None:
       raise ValueError("LoRA adapters cannot be combined with weight offload (the streamed "
                        "layers do not run the adapters' low-rank products)")
     rank = max_rank or max([a.rank for a in adapters] or [0])
     if rank < 1:
       raise ValueError(f"max_lora_rank must be >= 1, got {max_rank}")
-    targets = tuple(targets) or tuple(t for t in TARGETS
-                                      if any(t in a.weights for a in adapters)) or TARGETS
+    targets = tuple(targets) or union_targets(adapters)
     for t in targets:
-      if t not in TARGETS:
-        raise ValueError(f"unknown LoRA target {t!r}; choose from {TARGETS}")
+      if t not in LORA_TARGETS:
+        raise ValueError(f"unknown LoRA target {t!r}; choose from {LORA_TARGETS}")
     dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
     self.lora_rank, self.lora_targets = rank, targets
-    self.lora_pool = ops.allocate(self.cfg, targets, self.max_loras, rank, dtype)
+    self.lora_pool = lora_ops.allocate(self.cfg, targets, self.max_loras, rank, dtype)
     for a in adapters:
       self.register_lora(a)
 
   def register_lora(self, adapter) -> None:
     """Keep an adapter in host memory, ready to load into a slot (checked first)."""
-    from jaxinfer.lora import AdapterError
     if self.lora_pool is None:
       raise ValueError("this executor has no LoRA slots (max_loras=0)")
     if adapter.rank > self.lora_rank:
@@ -103,19 +106,18 @@ class JaxExecutor:
 
   def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:
     """Copy adapters from host memory into their device slots, before the step."""
-    from jaxinfer.lora import ops
     for slot, name in loads:
-      data = ops.slot_data(self.lora_pool, self.lora_adapters[name])
-      self.lora_pool = ops.write_slot(self.lora_pool, np.int32(slot), data)
+      data = lora_ops.slot_data(self.lora_pool, self.lora_adapters[name])
+      self.lora_pool = lora_ops.write_slot(self.lora_pool, np.int32(slot), data)
 
   def _with_lora(self, arrays, bucket: Bucket):
     """A step carrying adapters: the pool and the index arrays of the mode that measured
-    fastest for its kind of step (jaxinfer.lora.ops)."""
-    from jaxinfer.lora import ops
+    fastest for its kind of step (jaxinfer.lora.ops), or lora_mode."""
     arrays = dict(arrays)
     slots = arrays.pop("lora_slot")
-    mode = ops.PREFILL_MODE if bucket.prefill_slots else ops.DECODE_MODE
-    arrays.update(ops.index_arrays(slots, self.max_loras, mode, self.lora_rank),
+    mode = self.lora_mode or (lora_ops.PREFILL_MODE if bucket.prefill_slots else
+                              lora_ops.DECODE_MODE)
+    arrays.update(lora_ops.index_arrays(slots, self.max_loras, mode, self.lora_rank),
                   lora=self.lora_pool)
     return arrays
 

@@ -20,12 +20,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.costmodel.lora import adapter_bytes, target_shape  # noqa: F401 (re-exported)
+from jaxinfer.costmodel.lora import (TARGETS, adapter_bytes,  # noqa: F401 (re-exported)
+                                     target_shape)
 
-# PEFT / HF module name -> the weight it adapts here.
-MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-TARGETS = tuple(MODULES.values())  # the fixed order of targets everywhere (costmodel.lora's)
+# PEFT / HF module name -> the weight it adapts here (TARGETS' order).
+MODULES = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj"), TARGETS))
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
@@ -52,6 +52,11 @@ class LoraAdapter:
   @property
   def nbytes(self) -> int:
     return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def union_targets(adapters: Sequence[LoraAdapter]) -> Tuple[str, ...]:
+  """Every target any of the adapters adapts, in TARGETS order; all of them if none."""
+  return tuple(t for t in TARGETS if any(t in a.weights for a in adapters)) or TARGETS
 
 
 def _pattern_value(patterns: dict, module: str, default):

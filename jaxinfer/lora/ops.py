@@ -37,8 +37,6 @@ BLOCK = 16  # rows per segment block
 # Chosen by tools/bench_lora.py on the 2-core CPU (see the README's LoRA section).
 DECODE_MODE = "dense"
 PREFILL_MODE = "segment"
-INDEX_KEYS = ("lora_slot", "lora_rows", "lora_block_slot", "lora_perm", "lora_inv",
-              "lora_groups", "lora_onehot")
 
 
 def allocate(cfg: ModelConfig, targets, num_slots: int, rank: int, dtype) -> Dict:

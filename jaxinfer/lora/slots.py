@@ -28,14 +28,6 @@ class AdapterSlots:
     self.num_loads = 0  # host -> device adapter copies so far
     self.num_evictions = 0
 
-  def resident(self, name: str) -> bool:
-    return name in self.slot_of
-
-  @property
-  def active(self) -> int:
-    """Distinct adapters that running requests use."""
-    return sum(1 for n in self.users.values() if n > 0)
-
   def can_acquire(self, name: str) -> bool:
     return name in self.slot_of or bool(self._free) or bool(self._idle)
 
@@ -50,6 +42,7 @@ class AdapterSlots:
       elif self._idle:
         old, _ = self._idle.popitem(last=False)
         slot = self.slot_of.pop(old)
+        self._loads = [(s, n) for s, n in self._loads if n != old]  # e.g. a re-queued one
         self.num_evictions += 1
       else:
         raise RuntimeError(f"no adapter slot free for {name!r}: all {self.num_slots} slots "
