@@ -167,7 +167,7 @@ def prefill_log_probs(loaded, texts: List[List[int]]) -> np.ndarray:
   ex = JaxExecutor(loaded.cfg, loaded.params, num_pages=B * ppr, page_size=page)
   works = [SeqWork(x[:-1], 0, list(range(i * ppr, (i + 1) * ppr)), num_logits=T - 1)
            for i, x in enumerate(texts)]
-  _, logits = ex.run(pack_exact(works, page, B * ppr), return_logits=True)
+  _, logits = ex.logits(pack_exact(works, page, B * ppr))
   return _log_softmax(logits[:B * (T - 1)].reshape(B, T - 1, -1).transpose(1, 0, 2))
 
 
@@ -192,7 +192,7 @@ def teacher_forced(loaded, variant: str, texts: List[List[int]], timing_steps: i
 
   lps = np.zeros((T - 1, B, loaded.cfg.vocab_size), np.float32)
   for t in range(T - 1):
-    _, logits = ex.run(step([x[t] for x in texts], t), return_logits=True)
+    _, logits = ex.logits(step([x[t] for x in texts], t))
     lps[t] = _log_softmax(logits[:B])
   nxt = np.array([x[1:] for x in texts]).T  # [T-1, B] the true next tokens
   m = {"variant": variant, "positions": int((T - 1) * B),

@@ -51,7 +51,8 @@ def run_real(llm_model, drafter, tasks, conc, max_tokens, num_draft, adaptive):
   for i in range(0, len(prompts), conc):  # warm-up: compile every shape the run uses
     llm.generate(prompts[i:i + conc], sp)
   eng = llm.engine
-  eng.draft_time_s = 0.0
+  if eng.speculator is not None:
+    eng.speculator.draft_time_s = 0.0
   n_steps = len(eng.steps)
   t0 = time.perf_counter()
   outs = []
@@ -63,12 +64,13 @@ def run_real(llm_model, drafter, tasks, conc, max_tokens, num_draft, adaptive):
   decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
   n_tokens = sum(len(r.output_token_ids) - 1 for r in reqs)  # tokens after the first
   t_decode = sum(s.duration for s in decode_steps)
+  draft_s = eng.speculator.draft_time_s if eng.speculator is not None else 0.0
   s = speculative.summarize(reqs)
   if not s["rounds"]:
     s["mean_tokens_per_round"] = 1.0  # plain decoding: one token per step
   return {"drafter": drafter, "concurrency": conc, "wall_s": wall,
-          "ms_per_output_token": 1e3 * (t_decode + eng.draft_time_s) / max(n_tokens, 1),
-          "draft_s": eng.draft_time_s, "verify_s": t_decode, **s,
+          "ms_per_output_token": 1e3 * (t_decode + draft_s) / max(n_tokens, 1),
+          "draft_s": draft_s, "verify_s": t_decode, **s,
           "texts": [o.text[:80] for o in outs[:2]]}
 
 

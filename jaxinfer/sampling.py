@@ -114,8 +114,8 @@ def apply_penalties(logits, seen, repetition, logit_add):
 TOP_LOGPROBS = 20  # alternatives a step returns per row when any request asks (OpenAI's max)
 
 
-def verify(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None,
-           min_p=None, raw_logits=None):
+def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None,
+                min_p=None, raw_logits=None):
   """Sample every logits row; rows with a draft token (draft_ids >= 0) also verify it.
 
   token_mask (structured output): tokens outside it are never sampled and a draft

@@ -27,10 +27,10 @@ def sample_packed(logits, inputs):
   if "logit_add" in inputs:
     logits = sampling.apply_penalties(logits, inputs["seen"], inputs["repetition"],
                                       inputs["logit_add"])
-  ids, lp, accepted = sampling.verify(logits, inputs["temperature"], inputs["top_k"],
-                                      inputs["top_p"], inputs["seed"], inputs["counter"],
-                                      inputs["draft_ids"], inputs.get("token_mask"),
-                                      inputs.get("min_p"), raw)
+  ids, lp, accepted = sampling.sample_rows(logits, inputs["temperature"], inputs["top_k"],
+                                           inputs["top_p"], inputs["seed"], inputs["counter"],
+                                           inputs["draft_ids"], inputs.get("token_mask"),
+                                           inputs.get("min_p"), raw)
   cols = [ids.astype(jnp.float32)[:, None], lp[:, None], accepted.astype(jnp.float32)[:, None]]
   if "top_logprobs" in inputs:
     top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(raw, axis=-1), sampling.TOP_LOGPROBS)

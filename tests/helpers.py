@@ -16,7 +16,7 @@ def full_logits(cfg, params, ids, kv_format="f32"):
                    backend="reference")  # the oracle runs the plain jnp attention
   step = pack_exact([SeqWork(ids, 0, list(range(pages)))], page_size, pages)
   step = _all_positions(step, n)
-  _, logits = ex.run(step, return_logits=True)
+  _, logits = ex.logits(step)
   return logits[:n]
 
 

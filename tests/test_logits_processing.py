@@ -16,9 +16,9 @@ def test_min_p_keeps_tokens_above_its_share_of_the_top_probability():
   logits = jnp.asarray(np.log([0.5, 0.3, 0.15, 0.05]), jnp.float32)
   n = 20000
   f = lambda a, dt=jnp.float32: jnp.full((n,), a, dt)  # noqa: E731
-  tok, _, _ = sampling.verify(jnp.broadcast_to(logits, (n, 4)), f(1.0), f(0, jnp.int32),
-                              f(1.0), jnp.arange(n, dtype=jnp.uint32), f(0, jnp.int32),
-                              f(-1, jnp.int32), None, f(0.4))  # keep p >= 0.2
+  tok, _, _ = sampling.sample_rows(jnp.broadcast_to(logits, (n, 4)), f(1.0), f(0, jnp.int32),
+                                  f(1.0), jnp.arange(n, dtype=jnp.uint32), f(0, jnp.int32),
+                                  f(-1, jnp.int32), None, f(0.4))  # keep p >= 0.2
   counts = np.bincount(np.asarray(tok), minlength=4)
   assert counts[2:].sum() == 0
   assert stats.chisquare(counts[:2], n * np.array([0.5, 0.3]) / 0.8).pvalue > 1e-3

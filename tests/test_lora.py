@@ -78,7 +78,7 @@ def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters)
   ours = {}
   for mode in ops.MODES:
     ex.lora_mode = mode
-    _, ours[mode] = ex.run(pack_exact(works, 16, 64), return_logits=True)
+    _, ours[mode] = ex.logits(pack_exact(works, 16, 64))
   hf = hf_model(smollm2_path)
   x = torch.tensor([ids])
   with torch.no_grad():

@@ -60,14 +60,14 @@ def test_broken_sampler_is_caught(p, q):
 
 
 def test_verify_point_mass_drafts_are_exact():
-  """Deterministic drafts (q = one hot) through sampling.verify, temperature 0.8."""
+  """Deterministic drafts (q = one hot) through sampling.sample_rows, temperature 0.8."""
   logits = jnp.asarray(np.log([0.5, 0.2, 0.2, 0.1]), jnp.float32)
   n = 30000
   L = jnp.broadcast_to(logits, (n, 4))
   f = lambda a: jnp.full((n,), a)  # noqa: E731
-  tok, _, acc = sampling.verify(L, f(1.0), f(0).astype(jnp.int32), f(1.0),
-                                jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32),
-                                jnp.full((n,), 2, jnp.int32))
+  tok, _, acc = sampling.sample_rows(L, f(1.0), f(0).astype(jnp.int32), f(1.0),
+                                    jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32),
+                                    jnp.full((n,), 2, jnp.int32))
   counts = np.bincount(np.asarray(tok), minlength=4)
   assert stats.chisquare(counts, n * np.array([0.5, 0.2, 0.2, 0.1])).pvalue > 1e-3
   assert abs(float(jnp.mean(acc)) - 0.2) < 0.02  # accepted with probability p(x)

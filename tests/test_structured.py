@@ -44,18 +44,18 @@ def test_the_mask_restricts_sampling_and_rejects_drafts_outside_it():
   f = lambda a, dt=jnp.float32: jnp.full((n,), a, dt)  # noqa: E731
   mask = jnp.broadcast_to(_pack([{1, 3, 37}], V), (n, 2))
   args = (f(0, jnp.int32), f(1.0), jnp.arange(n, dtype=jnp.uint32), f(0, jnp.int32))
-  tok, lp, _ = sampling.verify(L, f(0.0), *args, f(-1, jnp.int32), mask)
+  tok, lp, _ = sampling.sample_rows(L, f(0.0), *args, f(-1, jnp.int32), mask)
   assert set(np.asarray(tok).tolist()) == {1}
   np.testing.assert_allclose(np.asarray(lp), np.log(0.3), rtol=1e-4)
-  tok, _, _ = sampling.verify(L, f(1.0), *args, f(-1, jnp.int32), mask)
+  tok, _, _ = sampling.sample_rows(L, f(1.0), *args, f(-1, jnp.int32), mask)
   counts = np.bincount(np.asarray(tok), minlength=V)
   assert counts[[0, 2]].sum() == 0
   p = np.array([0.3, 0.1, 1e-6]) / (0.4 + 1e-6)
   assert stats.chisquare(counts[[1, 3, 37]], n * p / p.sum()).pvalue > 1e-3
   for temp in (0.0, 1.0):  # draft 0 is the unmasked argmax but outside the mask
-    tok, _, acc = sampling.verify(L, f(temp), *args, f(0, jnp.int32), mask)
+    tok, _, acc = sampling.sample_rows(L, f(temp), *args, f(0, jnp.int32), mask)
     assert not np.asarray(acc).any() and 0 not in set(np.asarray(tok).tolist())
-  _, _, acc = sampling.verify(L, f(1.0), *args, f(3, jnp.int32), mask)
+  _, _, acc = sampling.sample_rows(L, f(1.0), *args, f(3, jnp.int32), mask)
   assert abs(float(jnp.mean(acc)) - 0.1 / 0.4) < 0.02
 
 

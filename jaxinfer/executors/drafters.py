@@ -10,47 +10,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-import numpy as np
-
 from jaxinfer.runtime.batcher import SeqWork, pack
 from jaxinfer.runtime.speculative import Drafter, FixedDrafter, NgramDrafter
-from jaxinfer.step import draft_step
 
 
 @dataclasses.dataclass
 class EarlyExitDrafter:
   num_layers: int
   name: str = "early_exit"
-  engine: object = None  # bound by the Engine
 
-  def bind(self, engine) -> None:
-    cfg = engine.executor.cfg
-    if engine.executor.params is None:
-      raise ValueError("the early-exit drafter needs the target's weights on the device "
-                       "(not available with weight offload)")
-    if not 0 < self.num_layers < cfg.num_layers:
-      raise ValueError(f"early-exit layers must be in [1, {cfg.num_layers - 1}], "
-                       f"got {self.num_layers}")
-    self.engine = engine
+  def bind(self, scheduler, executor, buckets) -> None:
+    executor.check_draft(self.num_layers)
+    self.scheduler, self.executor, self.buckets = scheduler, executor, buckets
 
   def warmup(self, buckets) -> float:
     """Compile the draft step at every decode-only bucket (what propose() packs)."""
-    import time
-    import jax
-    from jaxinfer.runtime.batcher import empty_step_arrays
-    t0 = time.perf_counter()
-    ex = self.engine.executor
-    for b in buckets:
-      if b.prefill_slots == 0 and b.num_logits == b.num_requests:
-        _, ex.pool = draft_step(ex.params, ex.pool, empty_step_arrays(b, ex.num_pages),
-                                cfg=ex.cfg, attn_shape=b.attn_shape, backend=ex.backend,
-                                num_layers=self.num_layers)
-    jax.block_until_ready(ex.pool)
-    return time.perf_counter() - t0
+    return self.executor.warmup_draft(buckets, self.num_layers)
 
   def propose(self, requests, lengths) -> Dict[object, List[int]]:
-    eng = self.engine
-    pm, ex = eng.pm, eng.executor
+    sch, ex = self.scheduler, self.executor
     m_max = max((lengths.get(r.request_id, 0) for r in requests), default=0)
     drafts: Dict[object, List[int]] = {r.request_id: [] for r in requests}
     active = []
@@ -58,10 +36,7 @@ class EarlyExitDrafter:
       m = lengths.get(r.request_id, 0)
       if m <= 0:
         continue
-      rid, c = r.request_id, r.num_computed
-      if pm.num_tokens(rid) > c:
-        pm.rollback(rid, c)
-      copies = pm.grow(rid, c + m)  # pages for the drafted positions c .. c + m - 1
+      copies = sch.draft_pages(r, m)  # pages for the drafted positions
       if copies is None:
         continue  # pool short: no drafts for this request this round
       ex.copy_pages(copies)
@@ -74,15 +49,11 @@ class EarlyExitDrafter:
       for r in batch:
         d = drafts[r.request_id]
         tok = d[-1] if d else r.output_token_ids[-1]
-        works.append(SeqWork([tok], r.num_computed + j, pm.page_table(r.request_id),
+        works.append(SeqWork([tok], r.num_computed + j, sch.page_table(r),
                              sample_index=len(r.output_token_ids) + j))
-      step = pack(works, eng.buckets, pm.page_size, pm.num_pages)
-      sid = pm.begin_step([r.request_id for r in batch])
-      out, ex.pool = draft_step(ex.params, ex.pool, step.arrays, cfg=ex.cfg,
-                                attn_shape=step.bucket.attn_shape, backend=ex.backend,
-                                num_layers=self.num_layers)
-      toks = np.asarray(out)
-      pm.complete_step(sid)
+      step = pack(works, self.buckets, ex.page_size, ex.num_pages)
+      with sch.reading(batch):
+        toks = ex.draft(step, self.num_layers)
       for i, r in enumerate(batch):
         drafts[r.request_id].append(int(toks[i]))
     return drafts
@@ -129,15 +100,14 @@ class DraftModelDrafter:
                                 page_size=page_size, kv_format=kv_format, backend=backend)
     self.pm = PageManager(num_pages, page_size)
     self._seq: Dict[object, List[int]] = {}  # tokens whose K/V the draft pool holds
-    self.engine = None
+    self.buckets = None
 
-  def bind(self, engine) -> None:
-    tcfg = engine.executor.cfg
-    if tcfg.vocab_size != self.cfg.vocab_size:
+  def bind(self, scheduler, executor, buckets) -> None:
+    if executor.vocab_size != self.cfg.vocab_size:
       raise ValueError(f"draft model vocabulary {self.cfg.vocab_size} differs from the "
-                       f"target's {tcfg.vocab_size}: they must share the tokenizer")
-    self.engine = engine
-    engine.scheduler.reservers.append(self)
+                       f"target's {executor.vocab_size}: they must share the tokenizer")
+    self.buckets = buckets
+    scheduler.add_reserver(self)
 
   # --- admission hooks (Scheduler.reservers) ------------------------------------------------
   def reserve(self, r) -> bool:
@@ -160,10 +130,10 @@ class DraftModelDrafter:
 
   # --- drafting -------------------------------------------------------------------------------
   def _run(self, works):
-    step = pack(works, self.engine.buckets, self.pm.page_size, self.pm.num_pages)
+    step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
     sid = self.pm.begin_step()
     self.pm.note_reads(sid, [p for w in works for p in w.page_table])
-    packed = self.executor.run(step)
+    packed = self.executor.execute(step).packed
     self.pm.complete_step(sid)
     return packed
 
@@ -176,7 +146,7 @@ class DraftModelDrafter:
     return True
 
   def propose(self, requests, lengths) -> Dict[object, List[int]]:
-    pm, b = self.pm, self.engine.buckets
+    pm, b = self.pm, self.buckets
     drafts: Dict[object, List[int]] = {r.request_id: [] for r in requests}
     active = [r for r in requests if lengths.get(r.request_id, 0) > 0 and pm.has(r.request_id)]
     # 1. Catch up: the draft K/V must cover every context token but the last.

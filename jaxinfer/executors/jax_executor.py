@@ -16,7 +16,7 @@ from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
-from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, enable_compilation_cache,
+from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, draft_step, enable_compilation_cache,
                            forward_step, masked_sample_step, model_step, read_pages_jit,
                            write_pages_jit)
 
@@ -157,7 +157,7 @@ class JaxExecutor:
     if self.streamer is not None:
       if step.mask_fn is not None:  # layer by layer: no single forward to overlap with
         arrays = dict(arrays, token_mask=step.mask_fn())
-      out, self.pool = self.streamer.run(self.pool, arrays, step.bucket.attn_shape,
+      out, self.pool = self.streamer.forward(self.pool, arrays, step.bucket.attn_shape,
                                          self.backend)
       return out, t0
     if step.mask_fn is not None and not self.overlap_masks:
@@ -207,12 +207,11 @@ class JaxExecutor:
       data[k] = rows
     self.pool = write_pages_jit(self.pool, pages, data)
 
-  def run(self, step: StepInput, return_logits: bool = False):
-    """Returns packed [S, 3] float32 numpy (token id, logprob, accepted) rows (and logits)."""
-    if not return_logits:
-      return self.execute(step).packed
+  def logits(self, step: StepInput):
+    """The step run with its logits returned too (quality studies, oracles): (packed rows
+    as `collect` returns them, logits [S, vocab] float32), both numpy."""
     if self.streamer is not None:
-      raise ValueError("return_logits is not available with weight offload")
+      raise ValueError("logits are not returned with weight offload")
     arrays = step.arrays
     if "lora_slot" in arrays:
       arrays = self._with_lora(arrays, step.bucket)
@@ -220,6 +219,35 @@ class JaxExecutor:
         self.params, self.pool, arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
         backend=self.backend, return_logits=True)
     return np.asarray(packed), np.asarray(logits)
+
+  # --- early-exit self-drafting (8.5.3) --------------------------------------------------
+  def check_draft(self, num_layers: int) -> None:
+    """Raise unless this executor can run early-exit draft steps of `num_layers` layers."""
+    if self.streamer is not None:
+      raise ValueError("the early-exit drafter needs the target's weights on the device "
+                       "(not available with weight offload)")
+    if not 0 < num_layers < self.cfg.num_layers:
+      raise ValueError(f"early-exit layers must be in [1, {self.cfg.num_layers - 1}], "
+                       f"got {num_layers}")
+
+  def draft(self, step: StepInput, num_layers: int) -> np.ndarray:
+    """Greedy draft tokens [S] from the first `num_layers` layers and the LM head; writes
+    those layers' K/V of the step's positions into the pool."""
+    out, self.pool = draft_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+                                attn_shape=step.bucket.attn_shape, backend=self.backend,
+                                num_layers=num_layers)
+    return np.asarray(out)
+
+  def warmup_draft(self, buckets: Sequence[Bucket], num_layers: int) -> float:
+    """Compile the draft step at every decode-only bucket among `buckets`; seconds."""
+    t0 = time.perf_counter()
+    for b in buckets:
+      if b.prefill_slots == 0 and b.num_logits == b.num_requests:
+        _, self.pool = draft_step(self.params, self.pool, empty_step_arrays(b, self.num_pages),
+                                  cfg=self.cfg, attn_shape=b.attn_shape, backend=self.backend,
+                                  num_layers=num_layers)
+    jax.block_until_ready(self.pool)
+    return time.perf_counter() - t0
 
   def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:
     """Compile every given bucket ahead of time; returns seconds spent. masked: the

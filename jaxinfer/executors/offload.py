@@ -88,7 +88,8 @@ class LayerStreamer:
     self.bytes_moved += self.set_bytes
     return w
 
-  def run(self, pool, arrays, attn_shape, backend):
+  def forward(self, pool, arrays, attn_shape, backend):
+    """One step through every layer (offloaded FFN sets streamed in): (packed rows, pool)."""
     cfg = self.cfg
     x, rope = _embed_jit(self.top, arrays, cfg=cfg)
     order = [i for i in range(cfg.num_layers) if i in self.host]

@@ -29,6 +29,7 @@ from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from jaxinfer.runtime.speculative import Speculator
 from jaxinfer.runtime.stopping import make_stop_check
 from jaxinfer.structured.step_masks import mask_filler
 
@@ -91,11 +92,10 @@ class Engine:
     self.pm = PageManager(executor.num_pages, executor.page_size)
     self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
                   if prefix_cache else None)
-    self.step_model = step_model if step_model is not None else executor.step_model
     self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,
                                max_step_requests=buckets.max_requests,
-                               estimate_time=None if self.step_model is None else
-                               self._estimate_from_step_model)
+                               step_model=step_model if step_model is not None
+                               else executor.step_model)
     if executor.max_loras:  # multi-LoRA: which adapter holds which device slot (8.2.1)
       from jaxinfer.lora.slots import AdapterSlots
       self.scheduler.adapters = AdapterSlots(executor.max_loras)
@@ -111,11 +111,11 @@ class Engine:
     self._launching_step: Optional[int] = None
     self._failed: List[TokenEvent] = []  # end events (error / constraint), for step()
     self.drafter = drafter
-    self.draft_policy = draft_policy
+    self.speculator = None
     if drafter is not None:
-      drafter.bind(self)
-    self.draft_time_s = 0.0
-    self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
+      drafter.bind(self.scheduler, executor, buckets)
+      self.speculator = Speculator(drafter, draft_policy, buckets, max_model_len,
+                                   executor.step_model)
     self._grammars = None  # a GrammarCompiler, built at the first constrained request
     self._grammars_lock = threading.Lock()  # validate_request may run on other threads
     self.mask_time_s = 0.0  # host time spent filling structured-output token masks
@@ -328,9 +328,9 @@ class Engine:
     if self._in_flight is not None:
       raise RuntimeError("a step is in flight: finish() it before launching another")
     draft_s = 0.0
-    if self.drafter is not None:
+    if self.speculator is not None:
       t0 = time.perf_counter()
-      self._draft()
+      self.speculator.draft(self.scheduler.running)
       draft_s = time.perf_counter() - t0
     now = self.now()
     plan = self.scheduler.schedule(now)
@@ -432,10 +432,8 @@ class Engine:
                              end)
         row += s.num_logits
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
-    tokens = f.bucket[0]
-    old = self._step_time_by_tokens.get(tokens)
-    self._step_time_by_tokens[tokens] = result.duration_s if old is None else (
-        0.8 * old + 0.2 * result.duration_s)
+    if self.speculator is not None:
+      self.speculator.observe(f.bucket[0], result.duration_s)
     n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
     drafted = sum(len(s.draft) for s in f.plan.seqs)
     emitted_n = sum(n for _, n in emitted)
@@ -510,82 +508,7 @@ class Engine:
     m["memory"] = self.executor.memory_report()
     return m
 
-  # --- speculative decoding (8.5) -------------------------------------------------------------
-  def _round_time(self, batch: int) -> Callable[[int], float]:
-    """Estimated time of a verify step in which one request carries m drafts, the
-    other batch - 1 requests one token each; padding to the next token bucket counts."""
-    model = self.executor.step_model
-
-    def t(m: int) -> float:
-      n = batch + m
-      try:
-        padded = self.buckets.pad_tokens(n)
-      except ValueError:
-        return float("inf")
-      if model is not None:
-        return model.step_time([(1 + m, 0)] + [(1, 0)] * (batch - 1)) * padded / max(n, 1)
-      known = self._step_time_by_tokens
-      if padded in known:
-        return known[padded]
-      if known:  # nearest measured bucket, scaled by tokens
-        k = min(known, key=lambda x: abs(x - padded))
-        return known[k] * max(padded, 1) / max(k, 1)
-      return float(padded)
-
-    return t
-
-  def _draft(self) -> None:
-    decoding = [r for r in self.scheduler.running if not r.in_prefill and not r.state.done]
-    if not decoding:
-      return
-    policy = self.draft_policy
-    round_time = self._round_time(len(decoding)) if policy and policy.adaptive else None
-    lengths = {}
-    for r in decoding:
-      m = policy.length(r, round_time) if policy else 0
-      # Never draft past max_tokens or the context window.
-      room = min(r.sampling.max_tokens - len(r.output_token_ids) - 1,
-                 self.max_model_len - r.num_tokens - 1)
-      lengths[r.request_id] = max(min(m, room), 0)
-    t0 = time.perf_counter()
-    drafts = self.drafter.propose(decoding, lengths)
-    self.draft_time_s += time.perf_counter() - t0
-    for r in decoding:
-      r.draft = list(drafts.get(r.request_id, []))[:lengths[r.request_id]]
-      if r.grammar is not None and r.draft:  # a draft the grammar rejects cannot be accepted
-        del r.draft[r.grammar.valid_prefix(r.draft):]
-
-  # --- deadline estimate from the simulator's step model (8.6.1) ---------------------------------
+  # --- deadline-aware admission (8.6.1) --------------------------------------------------------
   def set_step_model(self, model) -> None:
     """Use `model` (StepTimeModel) for deadline-aware admission from now on."""
-    self.step_model = model
-    self.scheduler.estimate_time = self._estimate_from_step_model
-
-  def _estimate_from_step_model(self, r: Request, batch: int) -> float:
-    """Predicted seconds from now to r's last token if r is admitted now (8.6.1), from
-    the work already in the system. (1) The prompt backlog of the running requests and
-    r's own prompt pass through steps of at most the token budget, each also carrying
-    the running decodes. (2) r's remaining outputs take one round each in a batch of
-    `batch`; the prompts of requests that arrived after r (admitted behind it, up to
-    max_running) fill the rest of each round's budget until they are done. (Counting r's
-    prefill and plain decode rounds only was optimistic by 25-35% under load on the real
-    model: the admitted requests then finished just past their deadlines.)"""
-    model, cfg, sch = self.step_model, self.config, self.scheduler
-    budget = cfg.token_budget if cfg.policy == "chunked" else 1 << 30
-    now = self.now()
-    decodes = [(1, q.num_tokens) for q in sch.running if q.num_pending <= 1]
-    ahead = sum(q.num_pending for q in sch.running if q.num_pending > 1) + r.num_pending
-    t, done = 0.0, 0
-    while done < ahead:
-      n = min(ahead - done, budget)
-      t += model.step_time([(n, r.num_computed + done)] + decodes)
-      done += n
-    after = sch.waiting[sch.waiting.index(r) + 1:] if r in sch.waiting else []
-    arrived = [q for q in after if q.arrival_time <= now][:max(cfg.max_running - batch, 0)]
-    behind = sum(q.num_pending for q in arrived)
-    round_decodes = [(1, r.num_tokens)] * batch
-    for _ in range(r.sampling.max_tokens - 1):
-      n = min(behind, max(budget - batch, 0))
-      t += model.step_time(([(n, 0)] if n else []) + round_decodes)
-      behind -= n
-    return t
+    self.scheduler.step_model = model

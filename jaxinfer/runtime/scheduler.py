@@ -18,6 +18,7 @@ cached part of the prompt. Host-side only; imports no JAX.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -101,16 +102,16 @@ class Scheduler:
   def __init__(self, config: SchedulerConfig, pages: PageManager,
                prefix_cache: Optional[PrefixCache] = None, *, max_step_tokens: int = 1 << 30,
                max_step_requests: int = 1 << 30,
-               estimate_time: Optional[Callable[[Request, int], float]] = None):
-    """max_step_tokens / max_step_requests: the largest bucket's sizes.
-    estimate_time(request, batch_size): predicted seconds to finish the request from now
-    (for deadline-aware admission; from the step-time model)."""
+               step_model=None):
+    """max_step_tokens / max_step_requests: the largest bucket's sizes. step_model: a
+    StepTimeModel (costmodel.roofline) that predicts a step's seconds; with it, a request
+    with a deadline is admitted only if its predicted finish meets it (8.6.1)."""
     self.config = config
     self.pm = pages
     self.cache = prefix_cache
     self.max_step_tokens = max_step_tokens
     self.max_step_requests = max_step_requests
-    self.estimate_time = estimate_time
+    self.step_model = step_model
     # Other KV that a request needs alongside its own (a draft model's): objects with
     # reserve(request) -> bool and release(request), consulted at admission and freed
     # with the request.
@@ -245,10 +246,38 @@ class Scheduler:
     return max(n, 0)
 
   def _misses_deadline(self, r: Request, now: float) -> bool:
-    if r.deadline_s is None or self.estimate_time is None:
+    if r.deadline_s is None or self.step_model is None:
       return False
-    finish = now + self.estimate_time(r, len(self.running) + 1)
+    finish = now + self.estimate_time(r, len(self.running) + 1, now)
     return finish > r.arrival_time + r.deadline_s
+
+  def estimate_time(self, r: Request, batch: int, now: float) -> float:
+    """Predicted seconds from `now` to r's last token if r is admitted now in a batch of
+    `batch` (8.6.1), from the work already in the system. (1) The prompt backlog of the
+    running requests and r's own prompt pass through steps of at most the token budget,
+    each also carrying the running decodes. (2) r's remaining outputs take one round each;
+    the prompts of requests that arrived after r (admitted behind it, up to max_running)
+    fill the rest of each round's budget until they are done. (Counting r's prefill and
+    plain decode rounds only was optimistic by 25-35% under load on the real model: the
+    admitted requests then finished just past their deadlines.)"""
+    model, cfg = self.step_model, self.config
+    budget = cfg.token_budget if cfg.policy == "chunked" else 1 << 30
+    decodes = [(1, q.num_tokens) for q in self.running if q.num_pending <= 1]
+    ahead = sum(q.num_pending for q in self.running if q.num_pending > 1) + r.num_pending
+    t, done = 0.0, 0
+    while done < ahead:
+      n = min(ahead - done, budget)
+      t += model.step_time([(n, r.num_computed + done)] + decodes)
+      done += n
+    after = self.waiting[self.waiting.index(r) + 1:] if r in self.waiting else []
+    arrived = [q for q in after if q.arrival_time <= now][:max(cfg.max_running - batch, 0)]
+    behind = sum(q.num_pending for q in arrived)
+    round_decodes = [(1, r.num_tokens)] * batch
+    for _ in range(r.sampling.max_tokens - 1):
+      n = min(behind, max(budget - batch, 0))
+      t += model.step_time(([(n, 0)] if n else []) + round_decodes)
+      behind -= n
+    return t
 
   # --- memory -----------------------------------------------------------------------------
   def _admit(self, r: Request, plan: StepPlan, first_tokens: Callable[[int], int]) -> bool:
@@ -363,6 +392,35 @@ class Scheduler:
     r.prefix_nodes = []
     if self.pm.has(r.request_id):
       self.pm.free(r.request_id)
+
+  # --- hooks for drafters (8.5.3) -----------------------------------------------------------
+  def add_reserver(self, hook) -> None:
+    """KV a request needs alongside its own (a draft model's pool): `hook.reserve(r) ->
+    bool` is consulted at admission, `hook.release(r)` when the request ends."""
+    self.reservers.append(hook)
+
+  def draft_pages(self, r: Request, m: int) -> Optional[List[Tuple[int, int]]]:
+    """Pages for m drafted positions after r's computed tokens, written by a draft step
+    into r's own pages (positions a previous round drafted past are rolled back first).
+    Returns the page copies (copy-on-write) to do before writing, or None if the pool is
+    short (r then drafts nothing this round)."""
+    rid, c = r.request_id, r.num_computed
+    if self.pm.num_tokens(rid) > c:
+      self.pm.rollback(rid, c)
+    return self.pm.grow(rid, c + m)
+
+  def page_table(self, r: Request) -> List[int]:
+    return self.pm.page_table(r.request_id)
+
+  @contextlib.contextmanager
+  def reading(self, requests: Sequence[Request]):
+    """Brackets a step outside the engine's (a draft step) that reads these requests'
+    pages: they are not reused while it runs."""
+    sid = self.pm.begin_step([r.request_id for r in requests])
+    try:
+      yield sid
+    finally:
+      self.pm.complete_step(sid)
 
   # --- after the step ---------------------------------------------------------------------
   def postprocess(self, plan: StepPlan, sampled: Sequence[Tuple[int, float, bool]], now: float,

@@ -5,12 +5,13 @@ them all in the next target step (one packed, bucketed step for every request) a
 scheduler keeps the longest accepted prefix plus the target's correction or bonus token,
 rolling the KV of rejected positions back through the page manager.
 
-Drafters here draft deterministically (a point-mass q), which `sampling.verify` turns
+Drafters here draft deterministically (a point-mass q), which `sampling.sample_rows` turns
 into exact rejection sampling for any temperature / top-k / top-p.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 from jaxinfer.costmodel.formulas import expected_tokens, should_lengthen
@@ -27,9 +28,11 @@ class Drafter(Protocol):
   def warmup(self, buckets) -> float:
     """Compile what drafting runs at these (non-verify) bucket shapes; seconds spent."""
 
-  def bind(self, engine) -> None:
-    """Called once by the Engine that will use this drafter (model drafters take their
-    pages and executables from it; host-side drafters need nothing)."""
+  def bind(self, scheduler, executor, buckets) -> None:
+    """Called once by the Engine that will use this drafter, with its three doors: the
+    scheduler (page hooks for drafted positions, admission reservers), the target's
+    executor (draft steps, page copies) and the bucket table. Host-side drafters need
+    nothing."""
 
 
 @dataclasses.dataclass
@@ -44,7 +47,7 @@ class NgramDrafter:
   def warmup(self, buckets) -> float:
     return 0.0  # host-side: nothing to compile
 
-  def bind(self, engine) -> None:
+  def bind(self, scheduler, executor, buckets) -> None:
     pass
 
   def propose(self, requests, lengths):
@@ -78,7 +81,7 @@ class FixedDrafter:
   def warmup(self, buckets) -> float:
     return 0.0  # host-side: nothing to compile
 
-  def bind(self, engine) -> None:
+  def bind(self, scheduler, executor, buckets) -> None:
     pass
 
   def propose(self, requests, lengths):
@@ -114,6 +117,73 @@ class DraftLengthPolicy:
         break
       m, t_m, n_m = m + 1, t_next, n_next
     return m
+
+
+class Speculator:
+  """Each round's drafting (8.5.4): how many tokens every decoding request drafts (the
+  policy, against the estimated time of the verify round), the drafter's proposals, and
+  the cuts that max_tokens, the context window and a grammar impose. Round times come from
+  the step model when there is one (simulation), else from the measured step times."""
+
+  def __init__(self, drafter: Drafter, policy: Optional[DraftLengthPolicy], buckets,
+               max_model_len: int, step_model=None):
+    self.drafter = drafter
+    self.policy = policy
+    self.buckets = buckets
+    self.max_model_len = max_model_len
+    self.step_model = step_model
+    self.draft_time_s = 0.0  # host + device time spent proposing
+    self._step_time_by_tokens: Dict[int, float] = {}  # bucket tokens -> EMA seconds
+
+  def observe(self, bucket_tokens: int, duration_s: float) -> None:
+    """A finished step's time at its token bucket (exponential moving average)."""
+    old = self._step_time_by_tokens.get(bucket_tokens)
+    self._step_time_by_tokens[bucket_tokens] = duration_s if old is None else (
+        0.8 * old + 0.2 * duration_s)
+
+  def round_time(self, batch: int) -> Callable[[int], float]:
+    """Estimated time of a verify step in which one request carries m drafts, the
+    other batch - 1 requests one token each; padding to the next token bucket counts."""
+    model, known = self.step_model, self._step_time_by_tokens
+
+    def t(m: int) -> float:
+      n = batch + m
+      try:
+        padded = self.buckets.pad_tokens(n)
+      except ValueError:
+        return float("inf")
+      if model is not None:
+        return model.step_time([(1 + m, 0)] + [(1, 0)] * (batch - 1)) * padded / max(n, 1)
+      if padded in known:
+        return known[padded]
+      if known:  # nearest measured bucket, scaled by tokens
+        k = min(known, key=lambda x: abs(x - padded))
+        return known[k] * max(padded, 1) / max(k, 1)
+      return float(padded)
+
+    return t
+
+  def draft(self, running: Sequence[Request]) -> None:
+    """Set r.draft for every decoding request among `running`."""
+    decoding = [r for r in running if not r.in_prefill and not r.state.done]
+    if not decoding:
+      return
+    policy = self.policy
+    round_time = self.round_time(len(decoding)) if policy and policy.adaptive else None
+    lengths = {}
+    for r in decoding:
+      m = policy.length(r, round_time) if policy else 0
+      # Never draft past max_tokens or the context window.
+      room = min(r.sampling.max_tokens - len(r.output_token_ids) - 1,
+                 self.max_model_len - r.num_tokens - 1)
+      lengths[r.request_id] = max(min(m, room), 0)
+    t0 = time.perf_counter()
+    drafts = self.drafter.propose(decoding, lengths)
+    self.draft_time_s += time.perf_counter() - t0
+    for r in decoding:
+      r.draft = list(drafts.get(r.request_id, []))[:lengths[r.request_id]]
+      if r.grammar is not None and r.draft:  # a draft the grammar rejects cannot be accepted
+        del r.draft[r.grammar.valid_prefix(r.draft):]
 
 
 def summarize(requests: Sequence[Request]) -> dict:
