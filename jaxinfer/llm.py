@@ -150,23 +150,29 @@ class LLM:
     self.buckets = buckets or BucketTable.default(
         max_tokens=max_num_batched_tokens, max_requests=max_num_seqs,
         max_pages=-(-self.max_model_len // page_size))
-    if offload is not None and offload.layers:
-      from jaxinfer.costmodel.offload import ffn_set_bytes
-      from jaxinfer.kv import bytes_per_token
-      bpp = 2 if dtype == "bfloat16" else 4
-      saved = (len(offload.layers) - min(offload.prefetch_buffers, len(offload.layers))) * \
-          ffn_set_bytes(self.cfg, bpp)
-      extra = int(saved // (bytes_per_token(self.cfg, kv_format, page_size) * page_size))
-      log.info("weight offload frees %.1f MiB net: %d more KV pages", saved / 2**20, extra)
+    from jaxinfer.costmodel.lora import kv_pages_taken
+    from jaxinfer.costmodel.offload import kv_pages_freed
+    from jaxinfer.kv import bytes_per_token
+    bpp = 2 if dtype == "bfloat16" else 4
+    page_bytes = bytes_per_token(self.cfg, kv_format, page_size) * page_size
+    if offload is not None and offload.layers:  # the net saving holds more KV (8.4.3)
+      extra = kv_pages_freed(self.cfg, offload, bpp, page_bytes)
+      log.info("weight offload frees %.1f MiB net: %d more KV pages",
+               extra * page_bytes / 2**20, extra)
       num_pages += extra
     adapters = []
     if max_loras:
-      from jaxinfer.lora import load_peft
+      from jaxinfer.lora import load_peft, union_targets
       adapters = [load_peft(p, self.cfg, n, max_rank=max_lora_rank)
                   for n, p in lora_adapters.items()]
-      num_pages = _pages_after_lora(self.cfg, adapters, max_loras, max_lora_rank,
-                                    2 if dtype == "bfloat16" else 4, kv_format, page_size,
-                                    num_pages)
+      taken = kv_pages_taken(self.cfg, max_loras, max_lora_rank, union_targets(adapters),
+                             bpp, page_bytes)
+      if taken >= num_pages:
+        raise ValueError(f"{max_loras} LoRA slots of rank {max_lora_rank} need {taken} KV "
+                         f"pages' memory of the {num_pages}: raise num_pages or lower "
+                         "max_loras / max_lora_rank")
+      log.info("LoRA slots take %d KV pages' device memory", taken)
+      num_pages -= taken
     self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=attention,
                                 offload=offload, q_precision=q_precision,
@@ -306,22 +312,3 @@ class LLM:
       self.engine.abort_requests([r.request_id for r in reqs])
       raise
     return [RequestOutput.from_request(r) for r in reqs]
-
-
-def _pages_after_lora(cfg, adapters, max_loras, rank, bytes_per_value, kv_format, page_size,
-                      num_pages) -> int:
-  """KV pages left once the adapter slots take their device memory (admission then sees
-  it): the pool the executor allocates (max_loras + 1 slots of max_lora_rank over the
-  adapters' targets)."""
-  from jaxinfer.costmodel.lora import pool_bytes
-  from jaxinfer.kv import bytes_per_token
-  from jaxinfer.lora import union_targets
-  pool = pool_bytes(cfg, max_loras, rank, union_targets(adapters), bytes_per_value)
-  page = bytes_per_token(cfg, kv_format, page_size) * page_size
-  taken = int(-(-pool // page))
-  if taken >= num_pages:
-    raise ValueError(f"{max_loras} LoRA slots of rank {rank} need {pool / 2**20:.1f} MiB, "
-                     f"{taken} KV pages of the {num_pages}: raise num_pages or lower "
-                     "max_loras / max_lora_rank")
-  log.info("LoRA slots take %.1f MiB of device memory: %d fewer KV pages", pool / 2**20, taken)
-  return num_pages - taken

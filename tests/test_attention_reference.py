@@ -65,3 +65,41 @@ def test_ragged_mix_with_nan_poisoned_pages(page_size, prefill_slots):
     v = np.concatenate([full[r][1], vn[s:s + n]])
     np.testing.assert_allclose(out[s:s + n], dense(q[s:s + n], k, v), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(out[query_len.sum():], 0.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "kernel"])
+def test_backends_share_input_validation(backend):
+  """The three backends reject the same malformed calls before any work, naming the
+  argument, the value and the limit (common.validate_static / validate_values)."""
+  import importlib
+  fn = importlib.import_module(f"pallas_kernels.paged_attention.{backend}").ragged_paged_attention
+  cfg = SMOLLM2_135M.replace(num_layers=1)
+  pool = allocate_pool(cfg, "f32", 8, 4)
+  T = 6
+  q, kn = jnp.zeros((T, 9, 64)), jnp.zeros((T, 3, 64))
+  ok = dict(page_table=np.array([[0, 1], [2, 3]], np.int32),
+            query_start=np.array([0, 1], np.int32), query_len=np.array([1, 5], np.int32),
+            cached_len=np.array([3, 2], np.int32))
+
+  def call(q=q, k=kn, max_query_len=5, num_prefill_slots=1, **meta):
+    m = dict(ok, **meta)
+    return fn(q, k, kn, pool, 0, m["page_table"], m["query_start"], m["query_len"],
+              m["cached_len"], max_query_len=max_query_len, num_prefill_slots=num_prefill_slots)
+
+  assert call().shape == (T, 9, 64)
+  bad = [(dict(q=jnp.zeros((T, 8, 64))), "multiple of KV heads"),
+         (dict(k=jnp.zeros((T, 3, 32))), "k_new must be"),
+         (dict(query_len=np.array([1, 5, 0], np.int32)), "query_len must be [R=2]"),
+         (dict(cached_len=np.array([3.0, 2.0], np.float32)), "cached_len must hold integers"),
+         (dict(num_prefill_slots=3), "num_prefill_slots must be an integer in [0, 2]"),
+         (dict(max_query_len=0), "max_query_len must be an integer >= 1"),
+         (dict(query_len=np.array([2, 4], np.int32)), "query_len of request slot 0 is 2"),
+         (dict(query_len=np.array([1, 6], np.int32), max_query_len=6),
+          "query_start of request slot 1 is 1"),
+         (dict(cached_len=np.array([3, 4], np.int32)), "cached_len + query_len of request "
+          "slot 1 is 9: must be <= the page table's 2 pages x 4 tokens"),
+         (dict(page_table=np.array([[0, 1], [2, 8]], np.int32)), "page_table of request slot 1")]
+  for kw, msg in bad:
+    with pytest.raises(ValueError) as e:
+      call(**kw)
+    assert msg in str(e.value), (kw, str(e.value))

@@ -57,6 +57,13 @@ def pool_bytes(cfg: ModelConfig, num_slots: int, rank: int, targets: Sequence[st
   return (num_slots + 1) * adapter_bytes(cfg, rank, targets, bytes_per_value)
 
 
+def kv_pages_taken(cfg: ModelConfig, num_slots: int, rank: int, targets: Sequence[str],
+                   bytes_per_value: float, page_bytes: float) -> int:
+  """KV pages the adapter slots' device memory displaces (the pool the executor
+  allocates, rounded up to whole pages)."""
+  return -(-pool_bytes(cfg, num_slots, rank, targets, bytes_per_value) // int(page_bytes))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraCost:
   """What adapters add to a step: per distinct adapter its A/B bytes read once at the

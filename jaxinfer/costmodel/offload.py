@@ -51,6 +51,15 @@ def ffn_set_bytes(cfg: ModelConfig, bytes_per_param: float = 2.0) -> int:
   return int(3 * cfg.hidden_size * cfg.intermediate_size * bytes_per_param)
 
 
+def kv_pages_freed(cfg: ModelConfig, off: OffloadConfig, bytes_per_param: float,
+                   page_bytes: float) -> int:
+  """KV pages the net device saving of `off` holds (freed sets minus prefetch buffers):
+  what the engine adds to its pool when weights are offloaded (8.4.3)."""
+  m = F.offload_memory(ffn_set_bytes(cfg, bytes_per_param), len(off.layers),
+                       off.prefetch_buffers)
+  return int(m["net_bytes"] // page_bytes)
+
+
 @dataclasses.dataclass
 class OffloadAccount:
   offloaded_sets: int

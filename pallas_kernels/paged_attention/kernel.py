@@ -17,7 +17,6 @@ pages holding NaN never contribute.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import kv_codec
+from pallas_kernels.paged_attention import common
 
 # jax 0.10 moved pl.dot to the Triton module (plgpu.dot), where 0.11 keeps it.
 _dot = plgpu.dot
@@ -201,20 +201,20 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            q_precision: str = "native", interpret=None, num_warps: int = 4,
                            num_stages: int = 2):
   """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU."""
-  T, N, H = q.shape
-  R = page_table.shape[0]
-  Rp = R if num_prefill_slots is None else num_prefill_slots
+  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
+                              cached_len, max_query_len=max_query_len,
+                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
+  for name, v in (("pages_per_block", pages_per_block), ("num_splits", num_splits)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
   fmt = kv_codec.get_format(kv_codec.pool_format(pool))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  scale = (1.0 / math.sqrt(H)) if sm_scale is None else sm_scale
-  q = kv_codec.round_q(fmt, q, q_precision)
-  out = jnp.zeros((T, N, H), jnp.float32)
-  args = (page_table, query_start, query_len, cached_len)
-  for sl, Q in ((slice(0, R - Rp), 1), (slice(R - Rp, R), max_query_len)):
-    if sl.stop - sl.start == 0:
-      continue
-    o, flat = _group(q, k_new, v_new, pool, layer, *(a[sl] for a in args), Q, scale, fmt,
-                     pages_per_block, num_splits, interpret, num_warps, num_stages)
-    out = out.at[flat].set(o, mode="drop")
-  return out
+
+  def group(qr, scale, _, Q, meta):
+    return _group(qr, k_new, v_new, pool, layer, *meta, Q, scale, fmt, pages_per_block,
+                  num_splits, interpret, num_warps, num_stages)
+
+  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
+                           max_query_len=max_query_len, num_prefill_slots=Rp,
+                           sm_scale=sm_scale, q_precision=q_precision, group=group)

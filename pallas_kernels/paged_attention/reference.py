@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
+from pallas_kernels.paged_attention import common
 
 _NEG = -1e30
 
@@ -78,18 +79,15 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   The last `num_prefill_slots` slots hold up to max_query_len new tokens each, the
   others at most one (None: every slot may hold max_query_len). Tokens not covered by
   any request (padding) get zeros. q_precision: see kv_codec.round_q (8.4.4).
+  Inputs are checked by common.validate_static / validate_values.
   """
-  T, N, H = q.shape
-  R = page_table.shape[0]
-  q = kv_codec.round_q(kv_codec.get_format(kv_codec.pool_format(pool)), q, q_precision)
-  Rp = R if num_prefill_slots is None else num_prefill_slots
-  scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
-  args = (page_table, query_start, query_len, cached_len)
-  out = jnp.zeros((T, N, H), jnp.float32)
-  groups = [(slice(0, R - Rp), 1), (slice(R - Rp, R), max_query_len)]
-  for sl, Q in groups:
-    if sl.stop - sl.start == 0:
-      continue
-    o, flat = attend_group(q, k_new, v_new, pool, layer, *(a[sl] for a in args), Q, scale)
-    out = out.at[flat].set(o, mode="drop")
-  return out
+  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
+                              cached_len, max_query_len=max_query_len,
+                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
+
+  def group(qr, scale, _, Q, meta):
+    return attend_group(qr, k_new, v_new, pool, layer, *meta, Q, scale)
+
+  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
+                           max_query_len=max_query_len, num_prefill_slots=Rp,
+                           sm_scale=sm_scale, q_precision=q_precision, group=group)

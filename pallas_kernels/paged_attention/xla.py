@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
-from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import common, reference
 
 _NEG = -1e30
 # Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
@@ -198,23 +198,21 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            sm_scale=None, q_precision: str = "native",
                            block_pages=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py."""
-  T, N, H = q.shape
-  R = page_table.shape[0]
-  q = kv_codec.round_q(kv_codec.get_format(kv_codec.pool_format(pool)), q, q_precision)
-  Rp = R if num_prefill_slots is None else num_prefill_slots
-  scale = (1.0 / H**0.5) if sm_scale is None else sm_scale
-  out = jnp.zeros((T, N, H), jnp.float32)
-  Rd = R - Rp
-  if Rd:
-    qi = jnp.clip(query_start[:Rd], 0, T - 1)
-    o = decode_attention(q[qi], k_new[qi], v_new[qi], pool, layer, page_table[:Rd],
-                         cached_len[:Rd], scale=scale, block_pages=block_pages)
-    flat = jnp.where(query_len[:Rd] == 1, query_start[:Rd], T)  # T = dropped
-    out = out.at[flat].set(o, mode="drop")
-  if Rp:
-    sl = slice(Rd, R)
-    o, flat = prefill_attention(q, k_new, v_new, pool, layer, page_table[sl], query_start[sl],
-                                query_len[sl], cached_len[sl], max_query_len, scale,
-                                block_pages=block_pages)
-    out = out.at[flat].set(o, mode="drop")
-  return out
+  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
+                              cached_len, max_query_len=max_query_len,
+                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
+  T = q.shape[0]
+
+  def group(qr, scale, _, Q, meta):
+    pt, qs, ql, cl = meta
+    if Q == 1:  # decode slots: one new token each
+      qi = jnp.clip(qs, 0, T - 1)
+      o = decode_attention(qr[qi], k_new[qi], v_new[qi], pool, layer, pt, cl, scale=scale,
+                           block_pages=block_pages)
+      return o[:, None], jnp.where(ql == 1, qs, T)[:, None]  # T = dropped
+    return prefill_attention(qr, k_new, v_new, pool, layer, pt, qs, ql, cl, Q, scale,
+                             block_pages=block_pages)
+
+  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
+                           max_query_len=max_query_len, num_prefill_slots=Rp,
+                           sm_scale=sm_scale, q_precision=q_precision, group=group)
