@@ -73,3 +73,29 @@ def test_page_tables_wider_than_the_context_change_nothing():
   wide = np.concatenate([pt, np.full((len(pt), 60), stale, pt.dtype)], axis=1)
   for bp in (None, 2):
     _check(case[:5] + (wide,) + case[6:], reqs, bp)
+
+
+def test_contexts_are_data_not_shapes():
+  """The block loops' trip counts follow the step's contexts as data: steps of one shape
+  whose requests hold other contexts reuse the one trace (chex.assert_max_traces) and
+  still equal the reference."""
+  import chex
+  rng = np.random.default_rng()
+  reqs = LONG[0]
+  q, kn, vn, pool, layer, pt, qs, ql, cl = make_case(rng, "f32", 16, 9, 3, 64, reqs)
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def attend(q, kn, vn, pool, pt, qs, ql, cl):
+    return xla.ragged_paged_attention(q, kn, vn, pool, layer, pt, qs, ql, cl, max_query_len=1,
+                                      num_prefill_slots=0, block_pages=2)
+
+  for ctx in ([300, 0, 129, 64], [17, 0, 128, 1], [1, 0, 5, 63]):  # within each real context
+    c = np.array(ctx, np.int32)
+    ref = reference.ragged_paged_attention(q, kn, vn, pool, layer, pt, qs, ql, c,
+                                           max_query_len=1, num_prefill_slots=0)
+    out = np.asarray(attend(q, kn, vn, pool, pt, qs, ql, c))
+    chex.assert_shape(out, q.shape)
+    chex.assert_tree_all_finite(out)
+    np.testing.assert_allclose(out, np.asarray(ref), rtol=1e-5, atol=1e-5)

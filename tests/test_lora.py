@@ -44,6 +44,10 @@ def test_adapter_layout_follows_peft_scaling(smollm2, adapters):
   A = load_peft(adapters["A"], smollm2.cfg, "A")
   B = load_peft(adapters["B"], smollm2.cfg, "B")
   assert A.rank == 4 and A.targets == ALL and B.targets == ("wq", "wv")
+  import chex  # A round-trips through PEFT's files: its factors, B scaled by alpha / r
+  a, b = random_adapter_factors(smollm2.cfg, 4, ALL, seed=1)
+  chex.assert_trees_all_close(dict(A.weights), {t: (a[t], b[t] * 8 / 4) for t in ALL},
+                              rtol=1e-6)
   from safetensors.numpy import load_file
   raw = load_file(os.path.join(adapters["B"], "adapter_model.safetensors"))
   pre = "base_model.model.model.layers.3.self_attn."
