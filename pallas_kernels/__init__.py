@@ -1,1 +1,1 @@
-"""Pallas kernels for jaxinfer. Imports only jax and numpy (ARCHITECTURE.md doors)."""
+"""Pallas kernels for jaxinfer. Imports only jax and numpy (tests/test_doors.py)."""

@@ -6,7 +6,7 @@ a code array and (for quantized formats) scales:
 
   f32    codes float32 [H]                                    4 B / value
   bf16   codes uint16 [H] (bf16 bit patterns; XLA:CPU scatters
-         uint16 fast and bf16 slowly, JAX-FACTS.md)           2 B / value
+         uint16 fast and bf16 slowly, measured here)          2 B / value
   fp8    codes uint8 [H] (float8_e4m3fn bits) + one float32
          scale per page per KV head                           1 B / value + 4 B / page / head
   q8_0   codes int8 [H] + fp16 scale per group of 32          34 B / 32 values (GGML Q8_0)

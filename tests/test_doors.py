@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md doors: the host runtime imports no JAX; pallas_kernels only jax/numpy."""
+"""The doors between rooms (README: Layout): what may import or reach into what."""
 import ast
 import pathlib
 import subprocess
@@ -45,3 +45,52 @@ def test_the_engine_never_imports_serving_and_serving_uses_no_private_engine_nam
   for f in (ROOT / "jaxinfer" / "serving").rglob("*.py"):
     private = re.findall(r"\b(?:engine|eng)\._[a-z]\w*", f.read_text())
     assert not private, f"{f.name} reaches into the engine: {private}"
+
+
+def _imports(f):
+  for node in ast.walk(ast.parse(f.read_text())):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        yield a.name, None
+    elif isinstance(node, ast.ImportFrom):
+      for a in node.names:
+        yield node.module or "", a.name
+
+
+def test_model_never_imports_the_runtime_executors_or_serving():
+  for f in (ROOT / "jaxinfer" / "model").rglob("*.py"):
+    for mod, _ in _imports(f):
+      assert not mod.startswith(("jaxinfer.runtime", "jaxinfer.executors", "jaxinfer.serving",
+                                 "jaxinfer.llm")), f"{f.name} imports {mod}"
+
+
+def test_runtime_sees_adapter_ids_and_slot_counts_only():
+  """ARCHITECTURE: lora/'s device ops belong to the model and the step; the runtime may
+  use the host-side slot table alone."""
+  for f in (ROOT / "jaxinfer" / "runtime").rglob("*.py"):
+    for mod, name in _imports(f):
+      if mod.startswith("jaxinfer.lora"):
+        assert mod == "jaxinfer.lora.slots", f"{f.name} imports {mod}"
+
+
+def test_drafters_use_the_scheduler_and_executor_doors_not_the_engine():
+  """Drafters get pages through scheduler hooks and draft steps through the executor:
+  nothing in drafters.py names the engine or a private attribute of another object."""
+  import re
+  src = (ROOT / "jaxinfer" / "executors" / "drafters.py").read_text()
+  assert not re.search(r"\bengine\b", src)
+  assert not re.findall(r"\b(?!self\b)\w+\._[a-z]\w*", src)
+
+
+def test_experiments_and_tools_use_public_names():
+  """ARCHITECTURE: experiments/ and tools/ use the public API, never private helpers of
+  jaxinfer or pallas_kernels (`_name` imports or attributes; jit's own _cache_size is
+  JAX's, counted as the recompilation probe)."""
+  import re
+  for sub in ("experiments", "tools"):
+    for f in (ROOT / sub).rglob("*.py"):
+      for mod, name in _imports(f):
+        if mod.startswith(("jaxinfer", "pallas_kernels")) and name:
+          assert not name.startswith("_"), f"{f.name} imports {mod}.{name}"
+      attrs = re.findall(r"\b(?!self\b)\w+\.(_[a-z]\w*)", f.read_text())
+      assert set(attrs) <= {"_cache_size"}, f"{f.name} uses private names {attrs}"

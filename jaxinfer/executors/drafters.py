@@ -84,7 +84,7 @@ def make_drafter(name: str, *, early_exit_layers: int = 0, draft_model=None,
 class DraftModelDrafter:
   """A separate, smaller model sharing the target's tokenizer (8.5.3): sequential greedy
   drafting with its own weights, its own paged KV pool and page manager. Its KV is
-  reserved at admission like the target's (the engine registers it with the scheduler)
+  reserved at admission like the target's (it registers itself with the scheduler)
   and released with the request. Each round it keeps the K/V of the longest prefix it
   already processed that the request's context still has (the accepted drafts), catches
   up on the rest in one prefill chunk, then drafts m tokens one step at a time.
@@ -125,7 +125,7 @@ class DraftModelDrafter:
 
   def warmup(self, buckets) -> float:
     """The draft model's own executables at every non-verify bucket (catch-up prefill
-    chunks and one-token drafting steps use the engine's table)."""
+    chunks and one-token drafting steps use the target's bucket table)."""
     return self.executor.warmup([b for b in buckets if b.num_logits == b.num_requests])
 
   # --- drafting -------------------------------------------------------------------------------
