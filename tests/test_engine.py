@@ -15,10 +15,11 @@ from jaxinfer.step import forward_step, masked_sample_step, model_step
 TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
 
 
-def make(smollm2, num_pages=64, page_size=8, tokenizer=None, **cfg_kw):
+def make(smollm2, num_pages=64, page_size=8, tokenizer=None, kv_format="f32", **cfg_kw):
   cfg = SchedulerConfig(**{"policy": "chunked", "max_running": 4, "token_budget": 32,
                            "chunk_size": 16, **cfg_kw})
-  ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=num_pages, page_size=page_size)
+  ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=num_pages, page_size=page_size,
+                   kv_format=kv_format)
   return Engine(ex, cfg, buckets=TABLE, prefix_cache=True, tokenizer=tokenizer)
 
 
@@ -47,6 +48,28 @@ def test_chunked_prefix_hits_and_preemption_equal_recompute(smollm2):
   assert eng.scheduler.num_preemptions > 0
   assert sum(r.cached_tokens for r in reqs2) >= 16
   check_against_oracle(smollm2, reqs + reqs2, 6)
+  eng.pm.check_invariants(eng.cache.owned_refs())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0", "q4_0"])
+def test_quantized_kv_prefix_hit_equals_its_own_chunked_run(smollm2, fmt):
+  """Quantized KV (8.4.2) has no f32 recompute oracle: a prefill chunk attends to its own
+  new tokens unquantized and to earlier chunks through the pool, as vLLM's does. Its
+  oracle is the same engine: with chunks aligned to pages, a request whose first 32
+  tokens come from the prefix cache reads the very bytes (codes and scales) its own
+  chunked run wrote, so the greedy tokens must be identical; its copy-on-write tail page
+  and a concurrent neighbour must not disturb them."""
+  eng = make(smollm2, page_size=16, kv_format=fmt)
+  shared = list(range(3000, 3032))
+  (p,) = prompts(1, 7, seed=5, shared=shared)
+  sp = SamplingParams(max_tokens=8, ignore_eos=True)
+  first = eng.add_request(p, sp)
+  eng.run()
+  again = eng.add_request(p, sp)
+  other = eng.add_request(prompts(1, 20, seed=6, shared=shared)[0], sp)
+  eng.run()
+  assert again.cached_tokens == 32 and other.cached_tokens == 32
+  assert again.output_token_ids == first.output_token_ids
   eng.pm.check_invariants(eng.cache.owned_refs())
 
 
