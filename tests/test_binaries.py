@@ -202,6 +202,7 @@ def test_study_config_fields_override_from_the_command_line(tmp_path):
   assert [r["budget"] for r in d["budget_sweep"]] == [512, 8192]
 
 
+@pytest.mark.slow
 def test_bench_decode_small(tmp_path):
   """tools/bench_decode.py end to end at a tiny size: strict JSON with a floor beside each
   figure, and a combination over the pool cap listed as skipped, not silently dropped."""
@@ -221,6 +222,7 @@ def test_bench_decode_small(tmp_path):
   assert (tmp_path / "bench_decode.png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
 def test_serve_bench_tiny(tmp_path):
   """experiments.serve_bench end to end at a tiny size: a real server per policy over HTTP
   (the openai client), every request accounted, the server exits 0 on SIGTERM, and the
@@ -237,6 +239,7 @@ def test_serve_bench_tiny(tmp_path):
   assert "serving overhead" in out and (tmp_path / "serve_bench.png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
 def test_buckets_small(tmp_path):
   """experiments.buckets at CI size: the real warm-up compiles exactly the table's shapes
   (cold, then again from the persistent cache: faster), the exact table never pads, a

@@ -328,6 +328,7 @@ def test_train_lora_teaches_a_behaviour_saved_in_peft_format(tmp_path):
     assert llm.generate([p], sp)[0].token_ids != reply
 
 
+@pytest.mark.slow
 def test_lora_study_small(tmp_path):
   """experiments.lora at CI size: real and simulated rows for k = 0, 1, 4 distinct
   adapters; simulated throughput falls as adapters are added (each is read once per
