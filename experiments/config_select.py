@@ -40,8 +40,8 @@ class OverheadModel:
                max_draft: int = 0):
     self.base, self.p, self.r, self.m = base, prefill_overhead, round_overhead_s, max_draft
 
-  def step_time(self, seqs):
-    t = self.base.step_time(seqs)
+  def step_time(self, seqs, **shared_and_rows):
+    t = self.base.step_time(seqs, **shared_and_rows)
     if any(n > 1 + self.m for n, _ in seqs):
       return t * (1.0 + self.p)
     return t + self.r

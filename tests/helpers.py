@@ -7,15 +7,23 @@ from jaxinfer.executors.jax_executor import JaxExecutor
 from jaxinfer.runtime.batcher import SeqWork, pack_exact
 
 
+PAD = 64  # oracle forwards are padded to a multiple of this many tokens: few shapes compile
+
+
 def full_logits(cfg, params, ids, kv_format="f32"):
-  """Logits at every position of `ids` from one fresh prefill (no cache reuse)."""
+  """Logits at every position of `ids` from one fresh prefill (no cache reuse). The
+  sequence is padded at its end to a multiple of PAD tokens (causal attention: the padding
+  changes no earlier position), so a growing sequence reuses a handful of executables
+  instead of compiling one per length."""
   n = len(ids)
+  m = -(-n // PAD) * PAD
   page_size = 16
-  pages = -(-n // page_size)
+  pages = m // page_size
   ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format,
                    backend="reference")  # the oracle runs the plain jnp attention
-  step = pack_exact([SeqWork(ids, 0, list(range(pages)))], page_size, pages)
-  step = _all_positions(step, n)
+  step = pack_exact([SeqWork(list(ids) + [0] * (m - n), 0, list(range(pages)))], page_size,
+                    pages)
+  step = _all_positions(step, m)
   _, logits = ex.logits(step)
   return logits[:n]
 
@@ -51,7 +59,7 @@ def check_constrained_greedy(cfg, params, compiler, r, tie=1e-4):
   from jaxinfer.structured import unconstrained_rows
   out = r.output_token_ids
   seq = r.prompt_token_ids + out[:-1]
-  logits = full_logits(cfg, params, seq + [0] * (-len(seq) % 16))
+  logits = full_logits(cfg, params, seq)
   n = len(r.prompt_token_ids)
   g = compiler.matcher(*r.sampling.constraint)
   row = unconstrained_rows(1, compiler.vocab_size)

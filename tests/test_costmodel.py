@@ -171,3 +171,31 @@ def test_offload_accounting_nine_ffn_sets(hardware, link_gbs):
   overlapped = step_time(0.0266, QWEN3_8B, OffloadConfig.count(36, 18, 2), 64e9)
   assert overlapped < serial
   assert OffloadConfig.to_free(QWEN3_8B, 2000).layers == OffloadConfig.count(36, 9).layers
+
+
+def test_calibration_passes_through_every_measured_point():
+  """Every measured point the calibration table holds (the chapter's 8-1 decode rounds and
+  prefill MFUs, and 8.6.3's 8K-with-6K-cached batch-16 run) comes back from the model:
+  decode rounds and prefill MFU exactly (the model's bytes per round within 0.05% of the
+  chapter's), and 8.6.3's prefill of 32,768 new tokens in 2.04 s."""
+  import json
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.costmodel.roofline import CALIBRATION_DIR
+  with open(f"{CALIBRATION_DIR}/rtx-pro-6000.json") as f:
+    table = json.load(f)
+  rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000", "bf16", 16)
+  assert len(table["decode"]) == 5 and len(table["prefill"]) == 5
+  for e in table["decode"]:
+    t = rm.decode_round(e["batch"], e["context"], e.get("shared", 0))
+    assert 1e3 * t == pytest.approx(e["round_ms"], rel=1e-12), e
+    if "bytes" in e:  # the chapter's bytes per round against the model's
+      b = rm.costs.step_bytes([(1, e["context"])] * e["batch"])
+      assert b == pytest.approx(e["bytes"], rel=5e-4), e
+  for e in table["prefill"]:
+    h = e["cached"]
+    f = rm.costs.step_flops([(e["input"] - h, h)] * e["batch"])
+    assert rm.calib.mfu_at(f, h / e["input"]) == pytest.approx(e["mfu"], rel=1e-12), e
+  assert rm.prefill_time(16, 2048, 6144) == pytest.approx(2.04, rel=0.01)
+  # Between points the cached share moves MFU between the two curves, never past them.
+  f = rm.costs.step_flops([(2048, 2048)] * 16)
+  assert rm.calib.mfu_at(f, 0.0) > rm.calib.mfu_at(f, 0.5) > rm.calib.mfu_at(f, 0.75)

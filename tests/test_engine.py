@@ -51,7 +51,7 @@ def test_chunked_prefix_hits_and_preemption_equal_recompute(smollm2):
   eng.pm.check_invariants(eng.cache.owned_refs())
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["fp8", pytest.param("q8_0", marks=pytest.mark.slow), "q4_0"])
 def test_quantized_kv_prefix_hit_equals_its_own_chunked_run(smollm2, fmt):
   """Quantized KV (8.4.2) has no f32 recompute oracle: a prefill chunk attends to its own
   new tokens unquantized and to earlier chunks through the pool, as vLLM's does. Its

@@ -224,11 +224,9 @@ class RealEngineMachine(EngineMachine):
     for r in self.eng.requests.values():
       if r.finish_reason == "length":
         # Full recompute, teacher-forced: one fresh forward over prompt + outputs gives
-        # the greedy choice after every prefix at once (causal, so padding the sequence
-        # to a multiple of 16 changes no earlier position and keeps compiled shapes few).
+        # the greedy choice after every prefix at once (causal; full_logits pads it).
         seq = r.prompt_token_ids + r.output_token_ids[:-1]
-        padded = seq + [0] * (-len(seq) % 16)
-        logits = full_logits(self.cfg, self.params, padded)
+        logits = full_logits(self.cfg, self.params, seq)
         n = len(r.prompt_token_ids)
         want = [int(i) for i in np.argmax(logits[n - 1:len(seq)], axis=-1)]
         assert r.output_token_ids == want, r.request_id

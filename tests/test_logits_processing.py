@@ -67,7 +67,7 @@ def _processed(logits, sp, prompt, outs, eos):
 def _check(smollm2, r, eos, tie=1e-4):
   out = r.output_token_ids
   seq = r.prompt_token_ids + out[:-1]
-  logits = full_logits(smollm2.cfg, smollm2.params, seq + [0] * (-len(seq) % 16))
+  logits = full_logits(smollm2.cfg, smollm2.params, seq)
   n = len(r.prompt_token_ids)
   for j, tok in enumerate(out):
     lg = _processed(logits[n - 1 + j], r.sampling, r.prompt_token_ids, out[:j], eos)
@@ -112,7 +112,7 @@ def test_top_logprobs_are_the_models_most_likely_tokens(smollm2):
                            SamplingParams(max_tokens=6)], chat=True)
   assert o.token_ids == plain.token_ids and plain.top_logprobs == []
   seq = o.prompt_token_ids + o.token_ids[:-1]
-  logits = full_logits(smollm2.cfg, smollm2.params, seq + [0] * (-len(seq) % 16))
+  logits = full_logits(smollm2.cfg, smollm2.params, seq)
   n = len(o.prompt_token_ids)
   assert len(o.top_logprobs) == len(o.token_ids)
   for j, alts in enumerate(o.top_logprobs):

@@ -351,6 +351,7 @@ def test_lora_study_small(tmp_path):
   assert os.path.isfile(tmp_path / "lora.png")
 
 
+@pytest.mark.slow
 def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
   """Warm-up compiles each shape's adapter-carrying variant too (dense decode, segment
   prefill); then base and adapter requests of any mix compile nothing."""

@@ -128,3 +128,37 @@ def test_variant_overheads_and_acceptance():
   # +10% prefill overhead; the verify round: 26.40 ms + 1 ms round overhead
   assert m.step_time(pre) == pytest.approx(0.046397, rel=1e-4)
   assert m.step_time(verify) == pytest.approx(0.027404, rel=1e-4)
+
+
+@pytest.mark.parametrize("name,fmt,share", [("A", "bf16", False), ("B", "bf16", True),
+                                            ("C", "q8_0", False)])
+def test_simulated_rounds_equal_the_planners(name, fmt, share):
+  """One step cost for planner and simulator (8.6.3's scenario: Qwen3-8B on RTX PRO
+  6000, 16 requests of 8192 tokens, the 6144-token prefix cached where shared): every
+  simulated round in which all 16 decode costs the planner's decode_round at that
+  context, the shared prefix read once per batch on both sides (it was charged once per
+  request in the simulator: 29.9 ms against the planner's 27.7 ms for B)."""
+  from jaxinfer.costmodel import RooflineStepModel
+  rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000", fmt, 16)
+  ex = SimExecutor(rm, num_pages=60_000, page_size=16)
+  # As the planner: the 16 prompts' new tokens prefill together, then 16 decode together.
+  eng = Engine(ex, SchedulerConfig("chunked", 16, 16 * 8192, 8192), prefix_cache=share,
+               buckets=BucketTable.default(16 * 8192, 64, 1024))
+  rng = np.random.default_rng(0)
+  prefix = rng.integers(100, 100000, 6144).tolist()
+  if share:
+    eng.add_request(prefix + [7], SamplingParams(max_tokens=1, ignore_eos=True))
+    eng.run()
+  sp = SamplingParams(max_tokens=6, ignore_eos=True)
+  reqs = [eng.add_request(prefix + rng.integers(100, 100000, 2048).tolist(), sp)
+          for _ in range(16)]
+  n0 = len(eng.steps)
+  eng.run()
+  rounds = [s for s in eng.steps[n0:] if s.num_seqs == 16 and s.num_prefill_tokens == 0]
+  assert len(rounds) == 5
+  if share:
+    assert all(r.cached_tokens == 6144 for r in reqs)
+  for i, s in enumerate(rounds):
+    ctx = 8192 + i  # every request's cached context at this round
+    planned = rm.decode_round(16, ctx, 6144 if share else 0)
+    assert s.duration == pytest.approx(planned, rel=1e-9), (i, s.duration, planned)

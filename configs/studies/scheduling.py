@@ -11,12 +11,21 @@ def get_config(mode: str = ""):
   c.json = False  # print the results as JSON instead of tables
   # 1. policies on the 8.2.2 trace
   c.workload = "ch8_2_2"  # or a JSON trace path
-  c.policies = ("fixed", "continuous", "chunked")
+  # separate: a new prompt's prefill runs as its own iteration beside the decodes (8.1.1)
+  c.policies = ("fixed", "continuous", "separate", "chunked")
   c.max_running = 2
   c.chunk_size = 2048
   c.token_budget = 4096
-  # 2. token-budget sweep on the 8.2.4 replay (six requests every 80 ms)
-  c.sweep_workload = "ch8_2_4"
+  # 2. token-budget sweep on the 8.2.4 replay (six requests every 80 ms). The chapter
+  # leaves open the requests' lengths and the chunk size: these fields set them (printed
+  # with the results). sweep_chunk = 0: the chunk is the budget.
+  c.sweep_workload = "ch8_2_4"  # or a JSON trace path (then the four fields below are unused)
+  c.sweep_requests = 6
+  c.sweep_interval_ms = 80.0
+  c.sweep_input_tokens = 2048
+  c.sweep_output_tokens = 64
+  c.sweep_chunk = 0
+  c.sweep_step_model = "affine"  # simulator: "affine" (8.2.2's fit) or "roofline" (8.6.3's)
   c.sweep_budgets = (512, 1024, 2048, 4096, 8192)
   c.sweep_max_running = 8
   # simulator

@@ -106,6 +106,6 @@ class OffloadStepModel:
     self.base, self.cfg, self.off = base, cfg, off
     self.link_bandwidth, self.bytes_per_param = link_bandwidth, bytes_per_param
 
-  def step_time(self, seqs: Sequence[Tuple[int, int]]) -> float:
-    return step_time(self.base.step_time(seqs), self.cfg, self.off, self.link_bandwidth,
-                     self.bytes_per_param)
+  def step_time(self, seqs: Sequence[Tuple[int, int]], **shared_and_rows) -> float:
+    return step_time(self.base.step_time(seqs, **shared_and_rows), self.cfg, self.off,
+                     self.link_bandwidth, self.bytes_per_param)

@@ -68,27 +68,45 @@ class ModelCosts:
     return (sum(c for c, _ in seqs) * self.flops_per_token + pairs *
             self.cfg.attention_flops_per_pair() + sampled * self.lm_head_flops)
 
-  def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0) -> float:
-    """Weights once + every request's KV at its context (a shared prefix of
-    shared_tokens read once for all requests when given)."""
-    ctx = sum(h + c for c, h in seqs) - shared_tokens * max(len(seqs) - 1, 0)
+  def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
+                 sharing: Optional[int] = None) -> float:
+    """Weights once + every request's KV at its context; a shared prefix of
+    shared_tokens is read once for the `sharing` requests that hold it (all of them when
+    None), as the planner charges it (8.6.3)."""
+    n = len(seqs) if sharing is None else sharing
+    ctx = sum(h + c for c, h in seqs) - shared_tokens * max(n - 1, 0)
     return self.d_w + ctx * self.kv_bytes_per_token
 
 
 @dataclasses.dataclass
 class Calibration:
-  """Measured efficiency tables: MBU vs bytes read per step, MFU vs FLOPs per step."""
+  """Measured efficiency tables that the model passes through at every measured point:
+  MBU vs bytes read per step (decode rounds); MFU vs FLOPs per step for prefills with
+  nothing cached, and for prefills after cached tokens a factor on that curve keyed by
+  the cached share of the context (h / (h + c)): 8.6.3's 8K prompts with 6K cached run
+  at 58% MFU where the no-cache curve gives 60.5% at the same FLOPs. Between points,
+  linear in bytes, in log FLOPs and in the cached share; constant past the ends."""
   mbu_bytes: List[float]
   mbu: List[float]
   mfu_flops: List[float]
   mfu: List[float]
   source: str = ""
+  # (cached share, MFU / the no-cache curve's MFU at that point's FLOPs), sorted by share
+  cached_factors: List[Tuple[float, float]] = dataclasses.field(default_factory=list)
 
   def mbu_at(self, nbytes: float) -> float:
     return float(np.interp(nbytes, self.mbu_bytes, self.mbu))
 
-  def mfu_at(self, flops: float) -> float:
+  def _mfu_no_cache(self, flops: float) -> float:
     return float(np.interp(math.log(max(flops, 1.0)), np.log(self.mfu_flops), self.mfu))
+
+  def mfu_at(self, flops: float, cached_share: float = 0.0) -> float:
+    m = self._mfu_no_cache(flops)
+    if self.cached_factors and cached_share > 0:
+      shares = [0.0] + [s for s, _ in self.cached_factors]
+      factors = [1.0] + [f for _, f in self.cached_factors]
+      m *= float(np.interp(cached_share, shares, factors))
+    return m
 
 
 def load_calibration(hw: HardwareProfile, costs: ModelCosts,
@@ -105,17 +123,23 @@ def load_calibration(hw: HardwareProfile, costs: ModelCosts,
                            d.get("bytes_per_param", costs.bytes_per_param),
                            d.get("kv_format", "bf16"), costs.page_size)
   table_hw = load_hardware(d["hardware"]) if d.get("hardware") else hw
-  dec = sorted(d["decode"], key=lambda e: e["bytes"])
-  mbu_b = [e["bytes"] for e in dec]
-  mbu = [e["bytes"] / (table_hw.bandwidth * e["round_ms"] / 1e3) for e in dec]
-  pre = []
+  dec = []
+  for e in d["decode"]:  # keyed by the table model's bytes at the point (the chapter's
+    # "weights + KV read per round" agree with them to 0.05%), so that the model passes
+    # through every measured round exactly
+    b = table_costs.step_bytes([(1, e["context"])] * e["batch"], e.get("shared", 0))
+    dec.append((b, b / (table_hw.bandwidth * e["round_ms"] / 1e3)))
+  dec.sort()
+  plain, cached = [], []
   for e in d["prefill"]:
-    f = table_costs.step_flops([(e["input"] - e.get("cached", 0), e.get("cached", 0))] *
-                               e["batch"])
-    pre.append((f, e["mfu"]))
-  pre.sort()
-  return Calibration(mbu_b, mbu, [f for f, _ in pre], [m for _, m in pre],
-                     d.get("source", path))
+    h = e.get("cached", 0)
+    f = table_costs.step_flops([(e["input"] - h, h)] * e["batch"])
+    (cached if h else plain).append((f, h / e["input"], e["mfu"]))
+  plain.sort()
+  calib = Calibration([b for b, _ in dec], [m for _, m in dec], [f for f, _, _ in plain],
+                      [m for _, _, m in plain], d.get("source", path))
+  calib.cached_factors = sorted((s, m / calib.mfu_at(f)) for f, s, m in cached)
+  return calib
 
 
 class RooflineStepModel:
@@ -145,25 +169,33 @@ class RooflineStepModel:
 
   def compute_time(self, seqs, sampled=None) -> float:
     f = self.costs.step_flops(seqs, sampled)
-    mfu = self.calib.mfu_at(f) if self.calib else 1.0
+    ctx = sum(c + h for c, h in seqs)
+    mfu = self.calib.mfu_at(f, sum(h for _, h in seqs) / ctx if ctx else 0.0) \
+        if self.calib else 1.0
     return f / (self.hw.peak_flops * mfu)
 
-  def memory_time(self, seqs, shared_tokens: int = 0) -> float:
-    b = self.costs.step_bytes(seqs, shared_tokens)
+  def memory_time(self, seqs, shared_tokens: int = 0, sharing: Optional[int] = None) -> float:
+    b = self.costs.step_bytes(seqs, shared_tokens, sharing)
     mbu = self.calib.mbu_at(b) if self.calib else 1.0
     return b / (self.hw.bandwidth * mbu)
 
-  def step_time(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0) -> float:
+  def step_time(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
+                sharing: Optional[int] = None, logits_rows: Optional[int] = None) -> float:
+    """The one step cost of the planner and the simulator: max(compute, memory) time.
+    logits_rows: LM-head rows the step computes (a verify of m drafts: m + 1 per
+    request; a non-final prefill chunk: 0); one per request when None."""
     if not seqs:
       return 0.0
-    return max(self.compute_time(seqs), self.memory_time(seqs, shared_tokens))
+    return max(self.compute_time(seqs, logits_rows),
+               self.memory_time(seqs, shared_tokens, sharing))
 
   # 8.6.3 rates
   def decode_round(self, batch: int, context: int, shared_tokens: int = 0) -> float:
     return self.step_time([(1, context)] * batch, shared_tokens)
 
-  def prefill_time(self, batch: int, new_tokens: int, cached: int = 0) -> float:
-    return self.step_time([(new_tokens, cached)] * batch)
+  def prefill_time(self, batch: int, new_tokens: int, cached: int = 0,
+                   shared_tokens: int = 0) -> float:
+    return self.step_time([(new_tokens, cached)] * batch, shared_tokens)
 
   def rates(self, batch: int, prompt_tokens: int, context: int) -> dict:
     """r_P: new prefill tokens per accelerator second; r_D: decode calls per second (a

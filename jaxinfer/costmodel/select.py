@@ -50,7 +50,7 @@ def evaluate(variant: Dict, *, model: str, hardware: str, input_tokens: int, sha
         num_requests * pages_for(end_tokens - shared_full, page_size)) * slot
   kv_mib = kv / MIB + variant.get("extra_memory_mib", 0.0)
   fits = kv_mib <= kv_budget_gib * 1024
-  prefill = rm.prefill_time(num_requests, input_tokens - shared, shared)
+  prefill = rm.prefill_time(num_requests, input_tokens - shared, shared, shared)
   prefill *= 1.0 + variant.get("prefill_overhead", 0.0)
   ctx = input_tokens + output_tokens // 2  # mean context over the decode
   round_s = rm.decode_round(num_requests, ctx, shared) + variant.get("round_overhead_ms", 0) / 1e3

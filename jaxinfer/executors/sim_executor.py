@@ -7,7 +7,7 @@ tokens are placeholders (requests end at max_tokens).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, Tuple
+from typing import Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -23,8 +23,11 @@ def causal_pairs(num_new: int, num_cached: int) -> int:
 
 class StepTimeModel(Protocol):
 
-  def step_time(self, seqs: Sequence[Tuple[int, int]]) -> float:
-    """seqs: (new tokens, cached tokens) per request in the step -> seconds."""
+  def step_time(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
+                sharing: Optional[int] = None, logits_rows: Optional[int] = None) -> float:
+    """seqs: (new tokens, cached tokens) per request in the step -> seconds.
+    shared_tokens / sharing: a prefix whose KV pages `sharing` of the requests hold in
+    common (all when None); logits_rows: LM-head rows (one per request when None)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +38,7 @@ class AffineStepModel:
   per_token_s: float = 30.4e-6
   per_pair_s: float = 3e-9
 
-  def step_time(self, seqs):
+  def step_time(self, seqs, shared_tokens=0, sharing=None, logits_rows=None):
     tokens = sum(c for c, _ in seqs)
     pairs = sum(causal_pairs(c, h) for c, h in seqs)
     return self.fixed_s + self.per_token_s * tokens + self.per_pair_s * pairs
@@ -133,7 +136,10 @@ class SimExecutor:
       extra += sum(self.lora_cost.step_s(self.lora_adapters[n], t) for n, t in tokens.items())
       extra += self.lora_load_s
       self.lora_load_s = 0.0
-    return StepResult(packed=packed, duration_s=self.step_model.step_time(seqs) + extra)
+    shared, sharing = plan.shared
+    t = self.step_model.step_time(seqs, shared_tokens=shared, sharing=sharing,
+                                  logits_rows=sum(s.num_logits for s in plan.seqs))
+    return StepResult(packed=packed, duration_s=t + extra)
 
   @property
   def compiles(self) -> int:

@@ -78,7 +78,7 @@ class PrefixCache:
   def __init__(self, pages: PageManager, *, eviction: str = "lru", host_pages: int = 0,
                snapshot_interval: int = 0, admission: Optional[Callable[[int], bool]] = None,
                recompute_time: Optional[Callable[[int], float]] = None,
-               fetch_time_per_page: float = 0.0, maintenance_time: float = 0.0,
+               fetch_time_per_page: float = 0.0, maintenance_time: Optional[float] = None,
                page_mib: float = 1.0):
     if eviction not in ("lru", "value"):
       raise ValueError(f"unknown eviction policy {eviction!r}; choose 'lru' or 'value'")
@@ -92,7 +92,8 @@ class PrefixCache:
     # 8.3.4 inputs: recompute time of a prefix of n tokens, fetch time per page, upkeep.
     self.recompute_time = recompute_time or (lambda n: float(n))
     self.fetch_time_per_page = fetch_time_per_page
-    self.maintenance_time = maintenance_time
+    # T_m, the upkeep of a kept page: one transfer over the host link unless given (8.3.4).
+    self.maintenance_time = fetch_time_per_page if maintenance_time is None else maintenance_time
     self.page_mib = page_mib
     self._roots: Dict[CacheKey, Node] = {}
     self._now = 0  # logical clock: one tick per lookup / insert

@@ -27,7 +27,7 @@ from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request, State
 
-POLICIES = ("fixed", "continuous", "chunked")
+POLICIES = ("fixed", "continuous", "chunked", "separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,9 @@ class StepPlan:
   preempted: List[Request]
   rejected: List[Request]
   now: float
+  # (tokens, requests): a prefix whose KV pages that many of the step's requests hold in
+  # common (the largest such group), read once for all of them in the cost model (8.6.3).
+  shared: Tuple[int, int] = (0, 0)
 
   @property
   def num_tokens(self) -> int:
@@ -170,12 +173,27 @@ class Scheduler:
 
   # --- one iteration ----------------------------------------------------------------------
   def schedule(self, now: float) -> StepPlan:
+    """One iteration's work. continuous / chunked: the running requests first (decodes,
+    then unfinished prefill chunks, 8.2.2), then admissions into the rest of the token
+    budget. separate: an admitted prompt's prefill runs as its own iteration, inserted
+    between decode iterations (8.1.1's inserted prefill: the running requests wait for
+    it); decodes run when nothing is admitted. fixed: a group runs to completion."""
     cfg = self.config
     plan = StepPlan([], [], [], [], [], [], now)
     budget = min(cfg.token_budget, self.max_step_tokens)
-    chunked = cfg.policy == "chunked"
+    if cfg.policy == "separate":
+      self._admit_waiting(plan, budget, now)
+      if not plan.seqs:
+        self._continue_running(plan, budget)
+      return self._finalize(plan)
+    budget = self._continue_running(plan, budget)
+    if not (cfg.policy == "fixed" and self.running):  # a fixed group runs to completion first
+      self._admit_waiting(plan, budget, now)
+    return self._finalize(plan)
 
-    # 1. Running requests: decode first (8.2.2), then unfinished prefills.
+  def _continue_running(self, plan: StepPlan, budget: int) -> int:
+    """Running requests: decode first (8.2.2), then unfinished prefills. Budget left."""
+    chunked = self.config.policy == "chunked"
     for r in sorted(self.running, key=lambda x: x.in_prefill):
       if r not in self.running or len(plan.seqs) >= self.max_step_requests:
         continue
@@ -187,10 +205,12 @@ class Scheduler:
         continue  # r itself was preempted
       plan.seqs.append(ScheduledSeq(r, r.num_computed, n, draft))
       budget -= n + len(draft)
+    return budget
 
-    # 2. Admissions.
-    if cfg.policy == "fixed" and self.running:
-      return self._with_offloads(plan)  # a fixed group runs to completion first
+  def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
+    """Admissions in queue order into the budget left (first come, first served)."""
+    cfg = self.config
+    chunked = cfg.policy == "chunked"
     for r in list(self.waiting):
       if r.arrival_time > now:
         continue
@@ -222,14 +242,29 @@ class Scheduler:
         continue
       plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
       budget -= n
-    return self._with_offloads(plan)
 
-  def _with_offloads(self, plan: StepPlan) -> StepPlan:
+  def _finalize(self, plan: StepPlan) -> StepPlan:
     """Pages evicted to the host tier this iteration must be copied out before any step
-    reuses them: the executor runs plan.offloads first."""
+    reuses them: the executor runs plan.offloads first. plan.shared: the step's largest
+    group of requests whose page tables start with the same pages, and how many cached
+    tokens those pages hold for all of them."""
     if self.cache is not None and self.cache.pending_offloads:
       plan.offloads.extend(self.cache.pending_offloads)
       self.cache.pending_offloads.clear()
+    groups = {}
+    for s in plan.seqs:
+      pt = self.pm.page_table(s.request.request_id)
+      if pt and s.start:
+        groups.setdefault(pt[0], []).append((s, pt))
+    group = max(groups.values(), key=len, default=[])
+    if len(group) > 1:
+      common = 0
+      for col in zip(*(pt for _, pt in group)):
+        if any(p != col[0] for p in col):
+          break
+        common += 1
+      tokens = min(common * self.pm.page_size, min(s.start for s, _ in group))
+      plan.shared = (tokens, len(group))
     return plan
 
   def _chunk(self, r: Request, budget: int, chunked: bool, first: bool) -> int:
