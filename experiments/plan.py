@@ -7,10 +7,16 @@
   python -m experiments.plan spec --acceptance=0.7 --num_draft=8
   python -m experiments.plan select --kv_budget_gib=12 --output_tokens=256 --output_dir=out/plan
   python -m experiments.plan lora --rank=16 --targets=q,v --num_adapters=100 --json
+  python -m experiments.plan rates --json         # 8.6.3's r_P, r_D, t_GPU (prefix cached)
+  python -m experiments.plan weights --params_b=70  # 8.4.1's formats against device memory
+  python -m experiments.plan kv_format            # 8.4.2's fitted ITL lines, crossover
+  python -m experiments.plan snapshots            # 8.3.3's recurrent-state snapshots
+  python -m experiments.plan spec --draft_model=qwen3-0.6b --drafting=parallel  # 8.5.3
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from absl import app, flags
@@ -43,7 +49,19 @@ flags.DEFINE_integer("offload_sets", 9, "offload: FFN sets moved to host memory"
 flags.DEFINE_integer("prefetch_buffers", 2, "offload: 1 (serial) or 2 (overlapped)")
 flags.DEFINE_float("acceptance", 0.7, "spec: per-position acceptance a")
 flags.DEFINE_integer("num_draft", 8, "spec: longest draft considered")
-flags.DEFINE_float("draft_ms", 0.5, "spec: drafting time per drafted token")
+flags.DEFINE_float("draft_ms", 0.5, "spec: drafting time per drafted token (no --draft_model)")
+flags.DEFINE_string("draft_model", "", "spec: a draft model config (e.g. qwen3-0.6b): its "
+                    "forwards on --hardware are the drafting cost (8.5.3)")
+flags.DEFINE_enum("drafting", "sequential", ["sequential", "parallel"],
+                  "spec: a draft model drafts m tokens in m forwards (sequential) or in one "
+                  "forward of m positions (parallel, DFlash-style)")
+flags.DEFINE_float("params_b", 0.0, "weights: parameters in billions (0: --model's)")
+flags.DEFINE_integer("match_tokens", 10752, "snapshots: tokens of a prefix match")
+flags.DEFINE_integer("snapshot_interval", 4096, "snapshots: tokens between state snapshots")
+flags.DEFINE_float("snapshot_mib", 53.6, "snapshots: one snapshot's size per device (8.3.3's "
+                   "figure; the recurrent state is not modelled here)")
+flags.DEFINE_list("contexts", ["1024", "4096", "7000", "16384", "32768"],
+                  "kv_format: contexts at which the fitted ITL lines are evaluated")
 flags.DEFINE_integer("rank", 16, "lora: adapter rank")
 flags.DEFINE_list("targets", ["q", "v"], "lora: adapted weights (q,k,v,o,gate,up,down or all)")
 flags.DEFINE_integer("num_adapters", 100, "lora: adapters registered (host memory)")
@@ -114,7 +132,8 @@ def cmd_prefix_value():
   t_m = t_f if FLAGS.maintain_ms is None else FLAGS.maintain_ms / 1e3
   return {"prefix_tokens": n, "size_mib": size / MIB, "t_recompute_s": t_r, "t_fetch_s": t_f,
           "t_maintain_s": t_m, "t_maintain_source": "one host transfer (8.3.4 default)"
-          if FLAGS.maintain_ms is None else "--maintain_ms", "value_s": F.prefix_value(FLAGS.p_hit, t_r, t_f, t_m),
+          if FLAGS.maintain_ms is None else "--maintain_ms",
+          "value_s": F.prefix_value(FLAGS.p_hit, t_r, t_f, t_m),
           "p_hit_threshold": F.hit_probability_threshold(t_r, t_f, t_m),
           "saving_per_mib_s": F.saving_per_mib(FLAGS.p_hit, t_r, t_f, t_m, size)}
 
@@ -136,13 +155,33 @@ def cmd_offload():
           "meets_deadline": total <= FLAGS.deadline_s}
 
 
+def _draft_cost():
+  """m -> seconds of drafting m tokens for one request at --input_tokens of context:
+  --draft_ms each, or a draft model's forwards on --hardware (one per token sequential,
+  one of m positions parallel), and what it was from."""
+  if not FLAGS.draft_model:
+    return (lambda m: m * FLAGS.draft_ms / 1e3), f"{FLAGS.draft_ms} ms per drafted token"
+  dm = costmodel.RooflineStepModel.for_names(FLAGS.draft_model, FLAGS.hardware,
+                                             FLAGS.kv_format, FLAGS.page_size)
+  L = FLAGS.input_tokens
+  if FLAGS.drafting == "parallel":
+    return (lambda m: dm.step_time([(m, L)], logits_rows=m) if m else 0.0), \
+        f"{FLAGS.draft_model}: one forward of m positions"
+  return (lambda m: sum(dm.step_time([(1, L + j)]) for j in range(m))), \
+      f"{FLAGS.draft_model}: m sequential forwards"
+
+
 def cmd_spec():
+  """8.5.2-8.5.4: per draft length m, the verify round (m + 1 positions and LM-head rows
+  at --input_tokens of context) plus drafting, E[N] and time per token; the draft model's
+  own forward when --draft_model is given (8.5.3)."""
   rm = _model()
-  t_verify = lambda m: rm.step_time([(m + 1, FLAGS.input_tokens)])  # noqa: E731
+  t_verify = lambda m: rm.step_time([(m + 1, FLAGS.input_tokens)], logits_rows=m + 1)  # noqa
+  draft, source = _draft_cost()
   plain = t_verify(0)
   rows = []
   for m in range(FLAGS.num_draft + 1):
-    t = t_verify(m) + m * FLAGS.draft_ms / 1e3
+    t = t_verify(m) + draft(m)
     e = F.expected_tokens(FLAGS.acceptance, m)
     rows.append({"draft_len": m, "round_ms": 1e3 * t, "expected_tokens": e,
                  "ms_per_token": 1e3 * t / e, "break_even_tokens": F.draft_break_even(t, plain)})
@@ -153,8 +192,108 @@ def cmd_spec():
                              b["expected_tokens"]):
       break
     best = m
-  return {"acceptance": FLAGS.acceptance, "plain_step_ms": 1e3 * plain, "rows": rows,
-          "chosen_draft_len": best}
+  return {"acceptance": FLAGS.acceptance, "plain_step_ms": 1e3 * plain, "drafting": source,
+          "draft_forward_ms": 1e3 * draft(1), "rows": rows, "chosen_draft_len": best}
+
+
+def cmd_rates():
+  """8.6.3: r_P (new prefill tokens per accelerator second), r_D (decode calls per
+  second: a batch step counts one call per request, its time once) and t_GPU = L/r_P +
+  (G - 1)/r_D per request, for --num_requests prompts of --input_tokens with
+  --shared_prefix cached (the prefix's KV read once per batch), --output_tokens out."""
+  rm = _model()
+  B, L, G, P = FLAGS.num_requests, FLAGS.input_tokens, FLAGS.output_tokens, FLAGS.shared_prefix
+  prefill = rm.prefill_time(B, L - P, P, P)
+  ctx = L + G // 2  # the mean context over the decode
+  rnd = rm.decode_round(B, ctx, P)
+  r_p, r_d = B * (L - P) / prefill, B / rnd
+  return {"batch": B, "input_tokens": L, "cached_prefix": P, "output_tokens": G,
+          "prefill_s": prefill, "decode_round_ms": 1e3 * rnd, "mean_context": ctx,
+          "r_prefill_tok_s": r_p, "r_decode_calls_s": r_d,
+          "t_gpu_s": (L - P) / r_p + (G - 1) / r_d,
+          "request_s": prefill + (G - 1) * rnd}
+
+
+# 8.4.1: weight formats as (bytes per block, values per block); GGML's block layouts.
+WEIGHT_FORMATS = {"bf16": (2, 1), "fp8": (1, 1), "q8_0": (34, 32), "q6_K": (210, 256),
+                  "q5_K": (176, 256), "q4_K": (144, 256), "q4_0": (18, 32),
+                  "q3_K": (110, 256), "q2_K": (84, 256)}
+WEIGHT_CODE_BITS = {"bf16": 16, "fp8": 8, "q8_0": 8, "q6_K": 6, "q5_K": 5, "q4_K": 4,
+                    "q4_0": 4, "q3_K": 3, "q2_K": 2}
+
+
+def cmd_weights():
+  """8.4.1: bits per value with block metadata, the metadata's share, and the resident
+  size of --model (or --params_b billion parameters) in each format against the memory of
+  --hardware: whether it fits one device with room for KV, and how many devices it needs
+  (weights only, 90% of each device usable)."""
+  rm = _model()
+  hw = rm.hw
+  n = FLAGS.params_b * 1e9 if FLAGS.params_b else rm.costs.weight_bytes / \
+      rm.costs.bytes_per_param
+  cap = hw.memory_gb * 1e9 if hw.memory_gb else None
+  rows = []
+  for name, (nbytes, values) in WEIGHT_FORMATS.items():
+    bits = 8 * nbytes / values
+    size = n * bits / 8
+    row = {"format": name, "bits_per_value": bits,
+           "metadata_share": 1 - WEIGHT_CODE_BITS[name] / bits, "weights_gib": size / 2**30}
+    if cap:
+      row.update(fits_one_device=size <= 0.9 * cap,
+                 kv_room_gib=max(0.9 * cap - size, 0) / 2**30,
+                 devices_needed=math.ceil(size / (0.9 * cap)))
+    rows.append(row)
+  return {"model": FLAGS.model if not FLAGS.params_b else f"{FLAGS.params_b:g}B parameters",
+          "parameters": n, "hardware": hw.name, "device_memory_gb": hw.memory_gb,
+          "mmap_note": "memory-mapped weights need their touched pages resident",
+          "formats": rows}
+
+
+# 8.4.2's fitted ITL lines on H100 for Llama-3.1-8B: ms = a + b * context.
+KV_ITL_LINES = {"bf16": (6.44, 4.37e-5), "fp8": (6.58, 2.37e-5)}
+
+
+def cmd_kv_format():
+  """8.4.2: the fitted ITL lines and where they cross (FP8 reads fewer bytes but pays a
+  conversion: the crossover is where dT = dD / beta - T_c turns positive), next to this
+  cost model's bytes per value and per token for every KV format."""
+  from pallas_kernels import kv_codec
+  (a0, b0), (a1, b1) = KV_ITL_LINES["bf16"], KV_ITL_LINES["fp8"]
+  crossover = (a1 - a0) / (b0 - b1)
+  rows = [{"context": int(L), "bf16_itl_ms": a0 + b0 * int(L), "fp8_itl_ms": a1 + b1 * int(L),
+           "fp8_gain_ms": (a0 + b0 * int(L)) - (a1 + b1 * int(L))} for L in FLAGS.contexts]
+  rm = _model()
+  formats = []
+  for name in ("bf16", "fp8", "q8_0", "q4_0"):
+    fmt = kv_codec.get_format(name)
+    k = costmodel.ModelCosts(rm.costs.cfg, rm.costs.bytes_per_param, name,
+                             FLAGS.page_size).kv_bytes_per_token
+    formats.append({"format": name, "bytes_per_value": fmt.bytes_per_value(),
+                    "kv_bytes_per_token": k})
+  return {"itl_lines": {k: {"fixed_ms": a, "per_token_ms": b} for k, (a, b) in
+                        KV_ITL_LINES.items()},
+          "source": "the chapter's fitted H100 ITLs, Llama-3.1-8B (8.4.2)",
+          "crossover_tokens": crossover, "rows": rows, "model": rm.costs.cfg.name,
+          "formats": formats}
+
+
+def cmd_snapshots():
+  """8.3.3: a recurrent / hybrid model restores a prefix match from its latest state
+  snapshot at or before the match and recomputes the rest; snapshots every
+  --snapshot_interval tokens cost --snapshot_mib each per device."""
+  rm = _model()
+  m, every = FLAGS.match_tokens, FLAGS.snapshot_interval
+  restore = m // every * every
+  rows = []
+  for interval in sorted({every // 4, every // 2, every, every * 2} - {0}):
+    r = m // interval * interval
+    rows.append({"interval": interval, "restore_from": r, "recompute_tokens": m - r,
+                 "recompute_s": rm.prefill_time(1, m - r, r) if m > r else 0.0,
+                 "snapshots_kept": m // interval,
+                 "storage_mib": m // interval * FLAGS.snapshot_mib})
+  return {"match_tokens": m, "snapshot_interval": every, "restore_from": restore,
+          "recompute_tokens": m - restore, "snapshot_mib": FLAGS.snapshot_mib,
+          "intervals": rows}
 
 
 def cmd_select():
@@ -202,7 +341,9 @@ def cmd_lora():
 
 
 COMMANDS = {"capacity": cmd_capacity, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
-            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora}
+            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora,
+            "rates": cmd_rates, "weights": cmd_weights, "kv_format": cmd_kv_format,
+            "snapshots": cmd_snapshots}
 
 
 def _print(out, indent=""):

@@ -279,3 +279,31 @@ def test_plan_prefix_value_takes_one_transfer_as_maintenance():
   assert d["p_hit_threshold"] > 0.01
   d = _loads(_run("experiments.plan", "prefix_value", "--maintain_ms=0", "--json"))
   assert d["t_maintain_s"] == 0 and d["p_hit_threshold"] == 0
+
+
+def test_plan_prints_the_chapters_worked_figures():
+  """The figures the chapter works out, each from one command (no Python snippet)."""
+  r = _loads(_run("experiments.plan", "rates", "--json"))  # 8.6.3, prefix cached
+  assert r["prefill_s"] == pytest.approx(2.04, rel=0.01)  # 32,768 new tokens at 58% MFU
+  assert r["decode_round_ms"] == pytest.approx(27.35, rel=1e-9)
+  assert r["r_prefill_tok_s"] == pytest.approx(32768 / r["prefill_s"])
+  assert r["r_decode_calls_s"] == pytest.approx(16 / 0.02735)
+  assert r["request_s"] == pytest.approx(9.02, rel=0.01)  # the chapter's median request time
+  w = {f["format"]: f for f in _loads(_run("experiments.plan", "weights", "--params_b=70",
+                                            "--json"))["formats"]}
+  assert w["q2_K"]["bits_per_value"] == 2.625 and w["q2_K"]["metadata_share"] == \
+      pytest.approx(0.238, abs=1e-3)  # 8.4.1: 256 values in 84 bytes, ~24% metadata
+  assert not w["bf16"]["fits_one_device"] and w["bf16"]["devices_needed"] == 2
+  assert w["q4_K"]["fits_one_device"]  # 70e9 x 4.5 bits = 39.4 GB on a 96 GB card
+  k = _loads(_run("experiments.plan", "kv_format", "--json"))
+  assert k["crossover_tokens"] == pytest.approx(7000)  # 8.4.2: (6.58-6.44) / (4.37-2.37)e-5
+  s = _loads(_run("experiments.plan", "snapshots", "--json"))
+  assert (s["restore_from"], s["recompute_tokens"]) == (8192, 2560)  # 8.3.3
+  seq = _loads(_run("experiments.plan", "spec", "--draft_model=qwen3-0.6b", "--json"))
+  par = _loads(_run("experiments.plan", "spec", "--draft_model=qwen3-0.6b",
+                    "--drafting=parallel", "--json"))
+  # 8.5.3: sequential drafting pays one draft forward per token, parallel one in all
+  d1 = seq["draft_forward_ms"]
+  for a, b in zip(seq["rows"][1:], par["rows"][1:]):
+    m = a["draft_len"]
+    assert a["round_ms"] - b["round_ms"] == pytest.approx((m - 1) * d1, rel=0.05)
