@@ -67,6 +67,14 @@ def make_llm(loaded, mode: str, c):
   return llm
 
 
+def _left(deadline_s: float, held_s: float):
+  """The deadline left when a request held outside the engine for held_s is submitted;
+  None (none to admit against) when it has already passed: the request still runs and
+  is judged late from its latency."""
+  left = deadline_s - held_s
+  return left if left > 0 else None
+
+
 def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
                offsets: np.ndarray, deadline_s: float, max_tokens: int) -> Dict:
   from jaxinfer.config import SamplingParams
@@ -77,7 +85,7 @@ def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
     sched = t0 + float(off)
     submit = t0 + float(offsets[-1]) if mode == "all_at_once" else sched
     r = engine.add_request(prompts[i % len(prompts)], sp, arrival_time=submit,
-                           deadline_s=deadline_s - (submit - sched))
+                           deadline_s=_left(deadline_s, submit - sched))
     reqs.append((r, sched, answers[i % len(answers)]))
   engine.run()
   recs = []
@@ -103,7 +111,71 @@ def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
           "latency_max_s": max(lats) if lats else None, "requests": recs}
 
 
+def make_sim_engine(mode: str, c):
+  """Simulated Qwen3-8B on RTX PRO 6000 (roofline, BF16 KV; 8.6.2's conditions); the
+  deadline mode predicts with the simulator's own step model."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.executors.sim_executor import SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  if mode not in MODES:
+    raise ValueError(f"unknown admission mode {mode!r}; choose one of {MODES}")
+  rm = RooflineStepModel.for_names(c.sim_model, c.sim_hardware, "bf16", 16)
+  n, longest = c.window, max(c.sim_prompt_tokens) + c.max_tokens
+  num_pages = int(c.sim_kv_budget_gib * 2**30 // (rm.costs.kv_bytes_per_token * 16))
+  if mode == "all_at_once":
+    sched = SchedulerConfig("fixed", n, n * longest, n * longest)
+  else:
+    sched = SchedulerConfig("continuous" if mode == "sequential" else "chunked",
+                            1 if mode == "sequential" else n, c.sim_token_budget,
+                            c.sim_token_budget, deadline_admission=mode == "deadline")
+  return Engine(SimExecutor(rm, num_pages=num_pages, page_size=16), sched,
+                buckets=BucketTable.default(max(n * longest, c.sim_token_budget), 64,
+                                            -(-longest // 16)))
+
+
+def run_sim_window(engine, c, mode: str, offsets: np.ndarray) -> Dict:
+  """One window on the simulated clock; request i asks question i mod 8, correct as the
+  config's per-task correctness says (the simulator generates no text)."""
+  from jaxinfer.config import SamplingParams
+  sp = SamplingParams(max_tokens=c.max_tokens, ignore_eos=True)
+  t0 = engine.now()
+  rng = np.random.default_rng(c.seed)
+  reqs = []
+  for i, off in enumerate(offsets):
+    q = i % len(c.sim_prompt_tokens)
+    sched = t0 + float(off)
+    submit = t0 + float(offsets[-1]) if mode == "all_at_once" else sched
+    r = engine.add_request(rng.integers(100, 100000, c.sim_prompt_tokens[q]).tolist(), sp,
+                           arrival_time=submit, deadline_s=_left(c.deadline_s, submit - sched))
+    reqs.append((r, sched, bool(c.sim_correct[q])))
+  engine.run()
+  recs = []
+  for r, sched, ok in reqs:
+    done = r.state.value == "finished"
+    lat = (r.finished_at - sched) if done else None
+    recs.append({"request_id": r.request_id, "scheduled_s": sched - t0,
+                 "finished_s": (r.finished_at - t0) if r.finished_at is not None else None,
+                 "state": r.state.value, "latency_s": lat, "correct": done and ok,
+                 "on_time": done and lat <= c.deadline_s})
+  t_obs = max(x["finished_s"] for x in recs if x["finished_s"] is not None)
+  good = sum(x["correct"] and x["on_time"] for x in recs)
+  done = [x for x in recs if x["state"] == "finished"]
+  lats = [x["latency_s"] for x in done]
+  return {"t_obs_s": t_obs, "completed": len(done), "good": good,
+          "correct": sum(x["correct"] for x in recs), "on_time": sum(x["on_time"] for x in recs),
+          "rejected": sum(x["state"] == "rejected" for x in recs),
+          "completion_rps": len(done) / t_obs, "goodput_rps": good / t_obs,
+          "latency_p50_s": float(np.median(lats)) if lats else None,
+          "latency_max_s": max(lats) if lats else None,
+          "joules_per_good": c.sim_power_w * t_obs / good if good else None, "requests": recs}
+
+
 def run_study(c, output_dir: str = "") -> Dict:
+  if c.executor == "sim":
+    return _study(c, output_dir, None, lambda m: make_sim_engine(m, c),
+                  lambda eng, m, offs: run_sim_window(eng, c, m, offs))
   from jaxinfer.executors.sim_executor import AffineStepModel
   from jaxinfer.loading import load_model
   loaded = load_model(c.model)
@@ -114,24 +186,38 @@ def run_study(c, output_dir: str = "") -> Dict:
   pages = max(-(-(len(p) + c.max_tokens) // 16) for p in prompts)
   if pages > c.prompt_pages:
     raise ValueError(f"a question needs {pages} pages; config prompt_pages={c.prompt_pages}")
-  conds = [(p, r, m) for p in c.processes for r in c.rates for m in c.modes]
-  prog = Progress(len(conds) * c.windows + len(c.modes), "goodput")
-  llms, fitted = {}, None
+  fitted = None
   busy = arrival_times("fixed", max(c.rates), c.window, 0)
-  for m in c.modes:
-    llm = llms[m] = make_llm(loaded, m, c)  # compiles every shape
+
+  def engine_for(m):
+    nonlocal fitted
+    llm = make_llm(loaded, m, c)  # compiles every shape
     if m in ("continuous", "deadline") and fitted is None:
       n0 = len(llm.engine.steps)  # the deadline model, fitted on one busy window
       run_window(llm.engine, prompts, answers, "continuous", busy, 1e9, c.max_tokens)
       fitted = AffineStepModel.fit(llm.engine.steps[n0:])
     if m == "deadline":
       llm.engine.set_step_model(fitted)
+    return llm.engine
+
+  res = _study(c, output_dir, lambda: fitted, engine_for, lambda eng, m, offs: run_window(
+      eng, prompts, answers, m, offs, c.deadline_s, c.max_tokens))
+  return res
+
+
+def _study(c, output_dir, fitted_model, engine_for, run_one) -> Dict:
+  """Every (process, rate, mode) condition over c.windows windows; summary, JSON, figure."""
+  conds = [(p, r, m) for p in c.processes for r in c.rates for m in c.modes]
+  prog = Progress(len(conds) * c.windows + len(c.modes), "goodput")
+  engines = {}
+  for m in c.modes:
+    engines[m] = engine_for(m)
     prog.step(f"warm-up {m}")
   windows = []
   for p, rate, m in conds:
     for w in range(c.windows):
       offs = arrival_times(p, rate, c.window, seed=c.seed * 100 + w)
-      res = run_window(llms[m].engine, prompts, answers, m, offs, c.deadline_s, c.max_tokens)
+      res = run_one(engines[m], m, offs)
       res.update(process=p, rate=rate, mode=m, window=w)
       windows.append(res)
       prog.step(f"{p} {rate}/s {m} window {w}: {res['good']}/{c.window} good, "
@@ -147,7 +233,11 @@ def run_study(c, output_dir: str = "") -> Dict:
     row["goodput_rps_std"] = float(np.std([x["goodput_rps"] for x in ws]))
     lat = [x["latency_p50_s"] for x in ws if x["latency_p50_s"] is not None]
     row["latency_p50_s"] = float(np.mean(lat)) if lat else None
+    if c.executor == "sim":  # energy per good result at the power cap (8.6.2)
+      good, t = sum(x["good"] for x in ws), sum(x["t_obs_s"] for x in ws)
+      row["joules_per_good"] = c.sim_power_w * t / good if good else None
     summary.append(row)
+  fitted = fitted_model() if fitted_model else None
   res = {"config": c.to_dict(), "step_model": None if fitted is None else
          {"fixed_ms": 1e3 * fitted.fixed_s, "per_token_ms": 1e3 * fitted.per_token_s},
          "summary": summary, "windows": windows}
@@ -185,13 +275,24 @@ def plot(summary: List[Dict], c, path: str) -> None:
 
 
 def print_table(res: Dict) -> None:
+  c = res["config"]
+  sim = c["executor"] == "sim"
+  if sim:
+    print(f"simulated {c['sim_model']} on {c['sim_hardware']}: prompts of "
+          f"{sorted(set(c['sim_prompt_tokens']))} tokens and the per-task correctness are "
+          f"this config's inputs; energy at {c['sim_power_w']:g} W")
   print(f"{'process':>8} {'rate':>5} {'mode':>12} {'completion/s':>13} {'goodput/s':>10} "
-        f"{'good':>5} {'correct':>8} {'on time':>8} {'rejected':>9} {'p50 lat s':>10}")
+        f"{'good':>5} {'correct':>8} {'on time':>8} {'rejected':>9} {'p50 lat s':>10}"
+        + (f" {'J/good':>8}" if sim else ""))
   for s in res["summary"]:
     lat = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.2f}"
+    joules = ""
+    if sim:
+      joules = " " + ("-" if s["joules_per_good"] is None else f"{s['joules_per_good']:.0f}"
+                      ).rjust(8)
     print(f"{s['process']:>8} {s['rate']:>5g} {s['mode']:>12} {s['completion_rps']:>13.2f} "
           f"{s['goodput_rps']:>10.2f} {s['good']:>5.1f} {s['correct']:>8.1f} "
-          f"{s['on_time']:>8.1f} {s['rejected']:>9.1f} {lat:>10}")
+          f"{s['on_time']:>8.1f} {s['rejected']:>9.1f} {lat:>10}{joules}")
   if res["step_model"]:
     sm = res["step_model"]
     print(f"deadline admission's step model (fitted here): {sm['fixed_ms']:.1f} ms + "

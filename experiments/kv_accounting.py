@@ -43,10 +43,11 @@ def main(argv):
     shares = [_parse_share(s, names) for s in FLAGS.share]
     rows = accounting.account(lengths, FLAGS.max_len, FLAGS.page_size, shares)
   if FLAGS.json:
-    print(strict_json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    print(strict_json.dumps([dict(dataclasses.asdict(r), stored_tokens=r.stored_tokens)
+                             for r in rows], indent=1))
     return
-  cols = ["policy", "reserved_slots", "allocated_slots", "unused_slots", "page_table_entries",
-          "physical_pages"]
+  cols = ["policy", "stored_tokens", "reserved_slots", "allocated_slots", "unused_slots",
+          "page_table_entries", "physical_pages"]
   print(" ".join(f"{c:>18}" for c in cols))
   for r in rows:
     print(" ".join(f"{getattr(r, c):>18}" for c in cols))

@@ -46,6 +46,9 @@ def test_binaries_emit_the_figures():
   rows = _run("experiments.kv_accounting", "--lengths=9,13,5,15", "--max_len=16",
               "--page_size=4", "--share=A,B,8")
   assert [r["physical_pages"] for r in rows] == [16, 13, 11]
+  # 42 tokens (9 + 13 + 5 + 15) stored; A and B's first 8 (two full pages) once when shared
+  assert [r["stored_tokens"] for r in rows] == [42, 42, 34]
+  assert [r["unused_slots"] for r in rows] == [64 - 42, 52 - 42, 44 - 34]
   rows = _run("experiments.kv_accounting", "--branches=4", "--prefix_pages=95",
               "--private_pages=9", "--page_size=16")
   assert [r["physical_pages"] for r in rows] == [416, 131]

@@ -307,3 +307,40 @@ def test_plan_prints_the_chapters_worked_figures():
   for a, b in zip(seq["rows"][1:], par["rows"][1:]):
     m = a["draft_len"]
     assert a["round_ms"] - b["round_ms"] == pytest.approx((m - 1) * d1, rel=0.05)
+
+
+def test_goodput_simulates_the_chapters_conditions(tmp_path):
+  """8.6.2 on simulated Qwen3-8B: 8 questions, 3 s deadline, 1 / 4 / 16 req/s, windows of
+  16. Every request is accounted; at 16 req/s continuous batching keeps every answer on
+  time while one-at-a-time service misses some; holding a window until its last arrival
+  (all at once) makes the early requests late at 1 req/s; energy per good result is the
+  power cap over the windows' observation time per good answer."""
+  _run("experiments.goodput", _config("goodput", "sim"), "--config.windows=1",
+       "--config.processes=('fixed',)", f"--output_dir={tmp_path}")
+  d = _loads((tmp_path / "goodput.json").read_text())
+  rows = {(s["rate"], s["mode"]): s for s in d["summary"]}
+  assert all(w["completed"] + w["rejected"] == 16 for w in d["windows"])
+  assert rows[16.0, "continuous"]["good"] == 16 > rows[16.0, "sequential"]["good"]
+  assert rows[1.0, "all_at_once"]["good"] < 4 and rows[1.0, "continuous"]["good"] == 16
+  for (rate, mode), s in rows.items():
+    w = [x for x in d["windows"] if (x["rate"], x["mode"]) == (rate, mode)][0]
+    if s["good"]:
+      assert s["joules_per_good"] == pytest.approx(600 * w["t_obs_s"] / w["good"])
+
+
+@pytest.mark.slow
+def test_preemption_small(tmp_path):
+  """8.3.2 at CI size: the 1 GiB pool preempts once and recomputes what the victim had
+  computed (the 2 GiB pool none), and a cancelled request's pages return only when the
+  step in flight ends, while abort() itself returns at once."""
+  out = _run("experiments.preemption", _config("preemption", "small"),
+             f"--output_dir={tmp_path}")
+  d = _loads((tmp_path / "preemption.json").read_text())
+  small, big = d["pools"]
+  assert small["preemptions"] == 1 and small["recomputed_tokens"] > 2048
+  assert small["extra_scheduled_tokens"] == small["recomputed_tokens"]
+  assert big["preemptions"] == 0 and big["extra_scheduled_tokens"] == 0
+  for r in d["cancel"]:
+    assert r["freed_at_abort"] == 0 and r["freed_after_step"] == r["pages"] > 0
+    assert r["abort_return_ms"] < r["pages_free_after_ms"]
+    assert _printed(out, str(r["pages"]), f"{r['abort_return_ms']:.3f}")

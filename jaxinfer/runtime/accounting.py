@@ -22,6 +22,11 @@ class PolicyAccount:
   page_table_entries: int  # references
   physical_pages: int
 
+  @property
+  def stored_tokens(self) -> int:
+    """Distinct tokens whose K/V the policy actually stores (a shared prefix once)."""
+    return self.allocated_slots - self.unused_slots
+
 
 def account(lengths: Sequence[int], max_len: int, page_size: int,
             shares: Sequence[Tuple[int, int, int]] = ()) -> List[PolicyAccount]:

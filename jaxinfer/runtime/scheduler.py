@@ -128,6 +128,10 @@ class Scheduler:
     self._order = itertools.count()
     self._key = {}
     self.num_preemptions = 0
+    # After a preemption no request is admitted until a running one ends: readmitting
+    # the victim as soon as its first chunk fits made it recompute and be preempted again
+    # and again (141 preemptions for 3 requests in a 1 GiB pool; one pass with the hold).
+    self._memory_pressure = False
 
   # --- queue ----------------------------------------------------------------------------
   def add(self, r: Request) -> None:
@@ -167,6 +171,7 @@ class Scheduler:
     if r in self.running:
       self.running.remove(r)
       self._release(r)
+      self._memory_pressure = False
     r.set_state(state)
     r.finish_reason, r.finished_at = reason, now
     return True
@@ -208,7 +213,10 @@ class Scheduler:
     return budget
 
   def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
-    """Admissions in queue order into the budget left (first come, first served)."""
+    """Admissions in queue order into the budget left (first come, first served); none
+    while a preemption's memory pressure lasts (until a running request ends)."""
+    if self._memory_pressure and self.running:
+      return
     cfg = self.config
     chunked = cfg.policy == "chunked"
     for r in list(self.waiting):
@@ -407,6 +415,7 @@ class Scheduler:
     r.num_computed = 0
     r.num_preemptions += 1
     self.num_preemptions += 1
+    self._memory_pressure = True
     r.set_state(State.WAITING)
     bisect.insort(self.waiting, r, key=lambda x: self._key[x.request_id])
     plan.preempted.append(r)
@@ -518,6 +527,7 @@ class Scheduler:
 
   def _finish(self, r: Request, reason: str, now: float) -> None:
     self.running.remove(r)
+    self._memory_pressure = False
     if self.cache is not None:
       # Offer the computed full pages (the last output's K/V is never written).
       self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed],
