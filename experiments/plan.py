@@ -55,6 +55,10 @@ flags.DEFINE_string("draft_model", "", "spec: a draft model config (e.g. qwen3-0
 flags.DEFINE_enum("drafting", "sequential", ["sequential", "parallel"],
                   "spec: a draft model drafts m tokens in m forwards (sequential) or in one "
                   "forward of m positions (parallel, DFlash-style)")
+flags.DEFINE_list("verify_buckets", [], "spec: compiled row counts a verify step pads to "
+                  "(8.5.4: 9 positions run the 16-row graph); empty: exact shapes")
+flags.DEFINE_integer("row_group", 1, "spec: rows padded to a multiple of this (a group-of-4 "
+                     "kernel tile: 4)")
 flags.DEFINE_float("params_b", 0.0, "weights: parameters in billions (0: --model's)")
 flags.DEFINE_integer("match_tokens", 10752, "snapshots: tokens of a prefix match")
 flags.DEFINE_integer("snapshot_interval", 4096, "snapshots: tokens between state snapshots")
@@ -176,24 +180,40 @@ def cmd_spec():
   at --input_tokens of context) plus drafting, E[N] and time per token; the draft model's
   own forward when --draft_model is given (8.5.3)."""
   rm = _model()
-  t_verify = lambda m: rm.step_time([(m + 1, FLAGS.input_tokens)], logits_rows=m + 1)  # noqa
+  buckets = sorted(int(b) for b in FLAGS.verify_buckets)
+
+  def rows(m):  # the verify step's rows after padding to a compiled shape (8.2.4, 8.5.4)
+    n = -(-(m + 1) // FLAGS.row_group) * FLAGS.row_group
+    if buckets:
+      fit = [b for b in buckets if b >= n]
+      if not fit:
+        raise app.UsageError(f"{m + 1} verify rows exceed the largest --verify_buckets "
+                             f"size {buckets[-1]}")
+      n = fit[0]
+    return n
+
+  t_verify = lambda m: rm.step_time([(rows(m), FLAGS.input_tokens)],  # noqa: E731
+                                    logits_rows=rows(m))
   draft, source = _draft_cost()
   plain = t_verify(0)
-  rows = []
+  table = []
   for m in range(FLAGS.num_draft + 1):
     t = t_verify(m) + draft(m)
     e = F.expected_tokens(FLAGS.acceptance, m)
-    rows.append({"draft_len": m, "round_ms": 1e3 * t, "expected_tokens": e,
-                 "ms_per_token": 1e3 * t / e, "break_even_tokens": F.draft_break_even(t, plain)})
+    table.append({"draft_len": m, "verify_rows": rows(m), "round_ms": 1e3 * t,
+                  "expected_tokens": e,
+                  "ms_per_token": 1e3 * t / e,
+                  "break_even_tokens": F.draft_break_even(t, plain)})
   best = 0
-  for m in range(1, len(rows)):  # 8.5.4: lengthen while dT/dN < T/N
-    a, b = rows[m - 1], rows[m]
+  for m in range(1, len(table)):  # 8.5.4: lengthen while dT/dN < T/N
+    a, b = table[m - 1], table[m]
     if not F.should_lengthen(a["round_ms"], a["expected_tokens"], b["round_ms"],
                              b["expected_tokens"]):
       break
     best = m
   return {"acceptance": FLAGS.acceptance, "plain_step_ms": 1e3 * plain, "drafting": source,
-          "draft_forward_ms": 1e3 * draft(1), "rows": rows, "chosen_draft_len": best}
+          "draft_forward_ms": 1e3 * draft(1), "verify_buckets": buckets,
+          "row_group": FLAGS.row_group, "rows": table, "chosen_draft_len": best}
 
 
 def cmd_rates():

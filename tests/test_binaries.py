@@ -303,6 +303,9 @@ def test_plan_prints_the_chapters_worked_figures():
   par = _loads(_run("experiments.plan", "spec", "--draft_model=qwen3-0.6b",
                     "--drafting=parallel", "--json"))
   # 8.5.3: sequential drafting pays one draft forward per token, parallel one in all
+  pad = _loads(_run("experiments.plan", "spec", "--verify_buckets=1,2,4,8,16,32",
+                    "--num_draft=9", "--json"))["rows"]
+  assert [r["verify_rows"] for r in pad] == [1, 2, 4, 4, 8, 8, 8, 8, 16, 16]  # 9 pad to 16
   d1 = seq["draft_forward_ms"]
   for a, b in zip(seq["rows"][1:], par["rows"][1:]):
     m = a["draft_len"]
