@@ -62,9 +62,9 @@ def measure_cancel(c, llm) -> List[Dict]:
     while any(not r.output_token_ids for r in reqs):  # every request past its prefill
       eng.step()
     victim = reqs[0]
+    f = eng.launch()  # may take a page for the step's new tokens: count after it
     pages = len(eng.pm.page_table(victim.request_id))
     free_before = eng.pm.num_free
-    f = eng.launch()
     t0 = time.perf_counter()
     assert eng.abort(victim.request_id)
     t_abort = time.perf_counter() - t0

@@ -292,6 +292,7 @@ def test_cli_serves_an_adapter_and_checks_lora_flags_before_loading(lora_llm, ad
   assert got["token_ids"] == want.token_ids
 
 
+@pytest.mark.slow
 def test_train_lora_teaches_a_behaviour_saved_in_peft_format(tmp_path):
   """tools/train_lora.py's loop on a tiny random Qwen3 (SmolLM2's backward compiles in
   ~130 s here; the tool's own run on it is in the README): two prompts that must be
