@@ -75,28 +75,27 @@ def _left(deadline_s: float, held_s: float):
   return left if left > 0 else None
 
 
-def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
-               offsets: np.ndarray, deadline_s: float, max_tokens: int) -> Dict:
-  from jaxinfer.config import SamplingParams
-  sp = SamplingParams(max_tokens=max_tokens, stop=("\n",))
-  t0 = engine.now() + 0.02
+def _window(engine, ids_for, sp, correct_for, mode: str, offsets: np.ndarray,
+            deadline_s: float, lead_s: float) -> Dict:
+  """One window: request i (ids_for(i)) arrives at its scheduled offset (all_at_once: held
+  until the last arrival); correct_for(i, request) grades it. Completion and goodput."""
+  t0 = engine.now() + lead_s
   reqs = []
   for i, off in enumerate(offsets):
     sched = t0 + float(off)
     submit = t0 + float(offsets[-1]) if mode == "all_at_once" else sched
-    r = engine.add_request(prompts[i % len(prompts)], sp, arrival_time=submit,
+    r = engine.add_request(ids_for(i), sp, arrival_time=submit,
                            deadline_s=_left(deadline_s, submit - sched))
-    reqs.append((r, sched, answers[i % len(answers)]))
+    reqs.append((i, r, sched))
   engine.run()
   recs = []
-  for r, sched, ans in reqs:
+  for i, r, sched in reqs:
     done = r.state.value == "finished"
     lat = (r.finished_at - sched) if done else None
     recs.append({"request_id": r.request_id, "scheduled_s": sched - t0,
                  "finished_s": (r.finished_at - t0) if r.finished_at is not None else None,
                  "state": r.state.value, "reject_reason": r.reject_reason,
-                 "latency_s": lat, "text": r.text,
-                 "correct": done and is_correct(r.text, ans),
+                 "latency_s": lat, "text": r.text, "correct": done and correct_for(i, r),
                  "on_time": done and lat <= deadline_s})
   t_obs = max(x["finished_s"] for x in recs if x["finished_s"] is not None)
   good = sum(x["correct"] and x["on_time"] for x in recs)
@@ -109,6 +108,15 @@ def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
           "completion_rps": len(done) / t_obs, "goodput_rps": good / t_obs,
           "latency_p50_s": float(np.median(lats)) if lats else None,
           "latency_max_s": max(lats) if lats else None, "requests": recs}
+
+
+def run_window(engine, prompts: List[List[int]], answers: List[str], mode: str,
+               offsets: np.ndarray, deadline_s: float, max_tokens: int) -> Dict:
+  from jaxinfer.config import SamplingParams
+  return _window(engine, lambda i: prompts[i % len(prompts)],
+                 SamplingParams(max_tokens=max_tokens, stop=("\n",)),
+                 lambda i, r: is_correct(r.text, answers[i % len(answers)]), mode, offsets,
+                 deadline_s, 0.02)
 
 
 def make_sim_engine(mode: str, c):
@@ -139,37 +147,13 @@ def run_sim_window(engine, c, mode: str, offsets: np.ndarray) -> Dict:
   """One window on the simulated clock; request i asks question i mod 8, correct as the
   config's per-task correctness says (the simulator generates no text)."""
   from jaxinfer.config import SamplingParams
-  sp = SamplingParams(max_tokens=c.max_tokens, ignore_eos=True)
-  t0 = engine.now()
   rng = np.random.default_rng(c.seed)
-  reqs = []
-  for i, off in enumerate(offsets):
-    q = i % len(c.sim_prompt_tokens)
-    sched = t0 + float(off)
-    submit = t0 + float(offsets[-1]) if mode == "all_at_once" else sched
-    r = engine.add_request(rng.integers(100, 100000, c.sim_prompt_tokens[q]).tolist(), sp,
-                           arrival_time=submit, deadline_s=_left(c.deadline_s, submit - sched))
-    reqs.append((r, sched, bool(c.sim_correct[q])))
-  engine.run()
-  recs = []
-  for r, sched, ok in reqs:
-    done = r.state.value == "finished"
-    lat = (r.finished_at - sched) if done else None
-    recs.append({"request_id": r.request_id, "scheduled_s": sched - t0,
-                 "finished_s": (r.finished_at - t0) if r.finished_at is not None else None,
-                 "state": r.state.value, "latency_s": lat, "correct": done and ok,
-                 "on_time": done and lat <= c.deadline_s})
-  t_obs = max(x["finished_s"] for x in recs if x["finished_s"] is not None)
-  good = sum(x["correct"] and x["on_time"] for x in recs)
-  done = [x for x in recs if x["state"] == "finished"]
-  lats = [x["latency_s"] for x in done]
-  return {"t_obs_s": t_obs, "completed": len(done), "good": good,
-          "correct": sum(x["correct"] for x in recs), "on_time": sum(x["on_time"] for x in recs),
-          "rejected": sum(x["state"] == "rejected" for x in recs),
-          "completion_rps": len(done) / t_obs, "goodput_rps": good / t_obs,
-          "latency_p50_s": float(np.median(lats)) if lats else None,
-          "latency_max_s": max(lats) if lats else None,
-          "joules_per_good": c.sim_power_w * t_obs / good if good else None, "requests": recs}
+  n = len(c.sim_prompt_tokens)
+  res = _window(engine, lambda i: rng.integers(100, 100000, c.sim_prompt_tokens[i % n]).tolist(),
+                SamplingParams(max_tokens=c.max_tokens, ignore_eos=True),
+                lambda i, r: bool(c.sim_correct[i % n]), mode, offsets, c.deadline_s, 0.0)
+  res["joules_per_good"] = c.sim_power_w * res["t_obs_s"] / res["good"] if res["good"] else None
+  return res
 
 
 def run_study(c, output_dir: str = "") -> Dict:
