@@ -187,6 +187,7 @@ def test_goodput_small(tmp_path):
     assert _printed(out, r["mode"], f"{r['completion_rps']:.2f}", f"{r['goodput_rps']:.2f}"), r
 
 
+@pytest.mark.slow
 def test_config_select_small(tmp_path):
   """8.6.3 end to end at CI size: the planner and the simulated runs through the
   scheduler both choose D; B misses the deadline; D's draft memory shows in its peak."""

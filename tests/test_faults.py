@@ -142,7 +142,7 @@ def test_interrupt_between_launch_and_finish_leaves_the_engine_empty(smollm2):
   assert [o.token_ids for o in llm.generate(prompts, sp)] == want
 
 
-def test_memory_stays_flat_over_ten_thousand_requests():
+def test_memory_stays_flat_over_thousands_of_requests():
   """Finished requests, step records and scheduler keys are trimmed to their caps
   (they grew without bound: a long-running server would run out of memory)."""
   import tracemalloc
@@ -153,8 +153,8 @@ def test_memory_stays_flat_over_ten_thousand_requests():
   sp = SamplingParams(max_tokens=3, ignore_eos=True)
   sizes = []
   tracemalloc.start()
-  for block in range(10):
-    for i in range(1000):
+  for block in range(6):
+    for i in range(600):
       eng.add_request([1 + i % 50, 2, 3, 4, 5], sp)
       if i % 16 == 15:
         eng.step()
@@ -163,5 +163,5 @@ def test_memory_stays_flat_over_ten_thousand_requests():
   tracemalloc.stop()
   assert len(eng.requests) <= 220 and len(eng.steps) <= 330
   assert len(eng.scheduler._key) <= 220
-  assert eng._num_steps > 1000  # the records kept are the newest of many
-  assert sizes[-1] < 1.5 * sizes[1], sizes  # flat after the first block, not 10x
+  assert eng._num_steps > 600  # the records kept are the newest of many
+  assert sizes[-1] < 1.5 * sizes[1], sizes  # flat after the first block, not 6x

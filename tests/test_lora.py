@@ -118,6 +118,7 @@ def _alone(llm, prompt, lora, n=10):
                                                lora=lora))[0].token_ids
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_equals_each_request_alone(lora_llm):
   """Adapters A, B, C and none in one chunked batch, with more adapters (3) than slots
   (2): every output equals the same request run alone; a step never carries more
