@@ -50,8 +50,9 @@ flags.DEFINE_string("draft_model", "", "draft_model: a model name or path sharin
                     "tokenizer (e.g. a checkpoint from tools/train_draft.py)")
 flags.DEFINE_bool("stream", False, "generate: print the answer as it is produced (one prompt)")
 flags.DEFINE_string("system", None, "generate --chat: a system message before each prompt")
-flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "fixed"],
-                  "scheduling policy (8.2)")
+flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "separate", "fixed"],
+                  "scheduling policy (8.2; separate: an admitted prefill runs as its own "
+                  "iteration, 8.1.1)")
 flags.DEFINE_integer("max_num_batched_tokens", 256, "largest token bucket: new tokens per "
                      "step (8.2.4's token budget)")
 flags.DEFINE_integer("max_num_seqs", 64, "largest request bucket: requests per step "
