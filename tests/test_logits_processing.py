@@ -75,12 +75,14 @@ def _check(smollm2, r, eos, tie=1e-4):
     assert tok == want or lg[tok] >= lg[want] - tie, (r.request_id, j, tok, want)
 
 
-def test_penalties_bias_and_min_tokens_equal_recompute(smollm2):
-  """Under n-gram speculation: rows with drafts count the drafts before them, rows
-  without drafts are the plain path."""
+@pytest.mark.parametrize("speculative", [None, pytest.param("ngram", marks=pytest.mark.slow)])
+def test_penalties_bias_and_min_tokens_equal_recompute(smollm2, speculative):
+  """Plain, and under n-gram speculation (slow): rows with drafts count the drafts before
+  them, rows without drafts are the plain path."""
   from jaxinfer import LLM
+  kw = dict(speculative=speculative, num_draft=3) if speculative else {}
   llm = LLM(smollm2, warmup=False, max_num_seqs=8, max_num_batched_tokens=32,
-            max_model_len=256, num_pages=256, speculative="ngram", num_draft=3)
+            max_model_len=256, num_pages=256, **kw)
   tok = smollm2.tokenizer
   eos = tuple(llm.engine._eos_token_ids)
   prompts = ["List the days of the week.", "Repeat after me: la la la la la.",
@@ -99,9 +101,10 @@ def test_penalties_bias_and_min_tokens_equal_recompute(smollm2):
   assert not set(outs[2].token_ids[:12]) & set(eos)
   for r in llm.engine.requests.values():
     _check(smollm2, r, eos)
-  reqs = list(llm.engine.requests.values())
-  assert sum(r.spec_drafted for r in reqs) > 0
-  assert any(st.drafted == 0 and st.num_decode_tokens > 0 for st in llm.engine.steps)
+  if speculative:
+    reqs = list(llm.engine.requests.values())
+    assert sum(r.spec_drafted for r in reqs) > 0
+    assert any(st.drafted == 0 and st.num_decode_tokens > 0 for st in llm.engine.steps)
 
 
 def test_top_logprobs_are_the_models_most_likely_tokens(smollm2):
