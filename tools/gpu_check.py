@@ -16,11 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from jaxinfer.config import QWEN3_8B  # noqa: E402
-from jaxinfer.kv import allocate_pool, bytes_per_token, write_tokens  # noqa: E402
-from pallas_kernels.paged_attention import kernel, reference  # noqa: E402
+from jaxinfer.config import QWEN3_8B  # tools/gpu_check.sh puts the checkout on PYTHONPATH
+from jaxinfer.kv import allocate_pool, bytes_per_token, write_tokens
+from pallas_kernels.paged_attention import kernel, reference
 
 FORMATS = ["bf16", "fp8", "q8_0", "q4_0", "f32"]
 

@@ -61,7 +61,8 @@ def kv_pages_taken(cfg: ModelConfig, num_slots: int, rank: int, targets: Sequenc
                    bytes_per_value: float, page_bytes: float) -> int:
   """KV pages the adapter slots' device memory displaces (the pool the executor
   allocates, rounded up to whole pages)."""
-  return -(-pool_bytes(cfg, num_slots, rank, targets, bytes_per_value) // int(page_bytes))
+  from jaxinfer.runtime.accounting import pages_for
+  return pages_for(pool_bytes(cfg, num_slots, rank, targets, bytes_per_value), int(page_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
