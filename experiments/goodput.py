@@ -157,7 +157,14 @@ def run_sim_window(engine, c, mode: str, offsets: np.ndarray) -> Dict:
 
 
 def run_study(c, output_dir: str = "") -> Dict:
+  if c.executor not in ("real", "sim"):
+    raise ValueError(f"executor must be 'real' or 'sim', got {c.executor!r}")
   if c.executor == "sim":
+    if len(c.sim_correct) != len(c.sim_prompt_tokens) or not c.sim_prompt_tokens:
+      raise ValueError(f"sim_correct ({len(c.sim_correct)} tasks) and sim_prompt_tokens "
+                       f"({len(c.sim_prompt_tokens)} tasks) must describe the same tasks")
+    if min(c.sim_prompt_tokens) < 1:
+      raise ValueError(f"sim_prompt_tokens must be >= 1, got {c.sim_prompt_tokens}")
     return _study(c, output_dir, None, lambda m: make_sim_engine(m, c),
                   lambda eng, m, offs: run_sim_window(eng, c, m, offs))
   from jaxinfer.executors.sim_executor import AffineStepModel

@@ -58,12 +58,15 @@ flags.DEFINE_enum("drafting", "sequential", ["sequential", "parallel"],
 flags.DEFINE_list("verify_buckets", [], "spec: compiled row counts a verify step pads to "
                   "(8.5.4: 9 positions run the 16-row graph); empty: exact shapes")
 flags.DEFINE_integer("row_group", 1, "spec: rows padded to a multiple of this (a group-of-4 "
-                     "kernel tile: 4)")
-flags.DEFINE_float("params_b", 0.0, "weights: parameters in billions (0: --model's)")
-flags.DEFINE_integer("match_tokens", 10752, "snapshots: tokens of a prefix match")
-flags.DEFINE_integer("snapshot_interval", 4096, "snapshots: tokens between state snapshots")
+                     "kernel tile: 4)", lower_bound=1)
+flags.DEFINE_float("params_b", 0.0, "weights: parameters in billions (0: --model's)",
+                   lower_bound=0.0)
+flags.DEFINE_integer("match_tokens", 10752, "snapshots: tokens of a prefix match",
+                     lower_bound=0)
+flags.DEFINE_integer("snapshot_interval", 4096, "snapshots: tokens between state snapshots",
+                     lower_bound=4)
 flags.DEFINE_float("snapshot_mib", 53.6, "snapshots: one snapshot's size per device (8.3.3's "
-                   "figure; the recurrent state is not modelled here)")
+                   "figure; the recurrent state is not modelled here)", lower_bound=0.0)
 flags.DEFINE_list("contexts", ["1024", "4096", "7000", "16384", "32768"],
                   "kv_format: contexts at which the fitted ITL lines are evaluated")
 flags.DEFINE_integer("rank", 16, "lora: adapter rank")
@@ -159,6 +162,18 @@ def cmd_offload():
           "meets_deadline": total <= FLAGS.deadline_s}
 
 
+def _positive_ints(name: str):
+  out = []
+  for v in getattr(FLAGS, name):
+    try:
+      out.append(int(v))
+    except ValueError:
+      raise app.UsageError(f"--{name}: {v!r} is not an integer") from None
+    if out[-1] < 1:
+      raise app.UsageError(f"--{name}: {v} must be >= 1")
+  return out
+
+
 def _draft_cost():
   """m -> seconds of drafting m tokens for one request at --input_tokens of context:
   --draft_ms each, or a draft model's forwards on --hardware (one per token sequential,
@@ -180,7 +195,7 @@ def cmd_spec():
   at --input_tokens of context) plus drafting, E[N] and time per token; the draft model's
   own forward when --draft_model is given (8.5.3)."""
   rm = _model()
-  buckets = sorted(int(b) for b in FLAGS.verify_buckets)
+  buckets = sorted(_positive_ints("verify_buckets"))
 
   def rows(m):  # the verify step's rows after padding to a compiled shape (8.2.4, 8.5.4)
     n = -(-(m + 1) // FLAGS.row_group) * FLAGS.row_group
@@ -280,8 +295,8 @@ def cmd_kv_format():
   from pallas_kernels import kv_codec
   (a0, b0), (a1, b1) = KV_ITL_LINES["bf16"], KV_ITL_LINES["fp8"]
   crossover = (a1 - a0) / (b0 - b1)
-  rows = [{"context": int(L), "bf16_itl_ms": a0 + b0 * int(L), "fp8_itl_ms": a1 + b1 * int(L),
-           "fp8_gain_ms": (a0 + b0 * int(L)) - (a1 + b1 * int(L))} for L in FLAGS.contexts]
+  rows = [{"context": L, "bf16_itl_ms": a0 + b0 * L, "fp8_itl_ms": a1 + b1 * L,
+           "fp8_gain_ms": (a0 + b0 * L) - (a1 + b1 * L)} for L in _positive_ints("contexts")]
   rm = _model()
   formats = []
   for name in ("bf16", "fp8", "q8_0", "q4_0"):

@@ -100,16 +100,15 @@ def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_runn
   return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
 
 
-def replay_of(workload: str, executor: str, c, llm_model):
+def replay_of(trace: List[Dict], executor: str, c, llm_model):
   """(trace, token scale, vocabulary): the real model replays the trace scaled down."""
-  trace = load_workload(workload)
   if executor == "sim":
     return trace, 1.0, get_model_config(c.sim_model).vocab_size
   return scale(trace, c.token_scale, c.time_scale), c.token_scale, llm_model.cfg.vocab_size
 
 
 def run_policies(executor: str, c, llm_model, prog) -> Dict:
-  trace, f, vocab = replay_of(c.workload, executor, c, llm_model)
+  trace, f, vocab = replay_of(load_workload(c.workload), executor, c, llm_model)
   chunk, budget = max(1, int(c.chunk_size * f)), max(1, int(c.token_budget * f))
   out = {}
   for policy in c.policies:
@@ -148,11 +147,7 @@ def sweep_trace(c) -> List[Dict]:
 
 
 def run_budget_sweep(executor: str, c, llm_model, prog) -> List[Dict]:
-  trace = sweep_trace(c)
-  f, vocab = 1.0, get_model_config(c.sim_model).vocab_size
-  if executor != "sim":
-    trace, f, vocab = scale(trace, c.token_scale, c.time_scale), c.token_scale, \
-        llm_model.cfg.vocab_size
+  trace, f, vocab = replay_of(sweep_trace(c), executor, c, llm_model)
   rows = []
   for b in c.sweep_budgets:
     budget = max(1, int(b * f))

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Sequence, Tuple
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.runtime.accounting import pages_for
 
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",
@@ -61,7 +62,6 @@ def kv_pages_taken(cfg: ModelConfig, num_slots: int, rank: int, targets: Sequenc
                    bytes_per_value: float, page_bytes: float) -> int:
   """KV pages the adapter slots' device memory displaces (the pool the executor
   allocates, rounded up to whole pages)."""
-  from jaxinfer.runtime.accounting import pages_for
   return pages_for(pool_bytes(cfg, num_slots, rank, targets, bytes_per_value), int(page_bytes))
 
 

@@ -158,7 +158,7 @@ class JaxExecutor:
       if step.mask_fn is not None:  # layer by layer: no single forward to overlap with
         arrays = dict(arrays, token_mask=step.mask_fn())
       out, self.pool = self.streamer.forward(self.pool, arrays, step.bucket.attn_shape,
-                                         self.backend)
+                                             self.backend)
       return out, t0
     if step.mask_fn is not None and not self.overlap_masks:
       arrays = dict(arrays, token_mask=step.mask_fn())
@@ -243,10 +243,7 @@ class JaxExecutor:
     t0 = time.perf_counter()
     for b in buckets:
       if b.prefill_slots == 0 and b.num_logits == b.num_requests:
-        _, self.pool = draft_step(self.params, self.pool, empty_step_arrays(b, self.num_pages),
-                                  cfg=self.cfg, attn_shape=b.attn_shape, backend=self.backend,
-                                  num_layers=num_layers)
-    jax.block_until_ready(self.pool)
+        self.draft(StepInput(empty_step_arrays(b, self.num_pages), b, [], 0), num_layers)
     return time.perf_counter() - t0
 
   def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -87,9 +88,31 @@ class StepPlan:
   preempted: List[Request]
   rejected: List[Request]
   now: float
-  # (tokens, requests): a prefix whose KV pages that many of the step's requests hold in
-  # common (the largest such group), read once for all of them in the cost model (8.6.3).
-  shared: Tuple[int, int] = (0, 0)
+  pages: Optional[PageManager] = None  # the page tables `shared` reads
+
+  @functools.cached_property
+  def shared(self) -> Tuple[int, int]:
+    """(tokens, requests): the step's largest group of requests whose page tables start
+    with the same pages, and how many cached tokens those pages hold for all of them —
+    read once for the group in the cost model (8.6.3). Computed only when asked (the
+    simulator does; the real executor's steps never pay for it), at launch, before the
+    pages change."""
+    if self.pages is None:
+      return (0, 0)
+    groups = {}
+    for s in self.seqs:
+      pt = self.pages.page_table(s.request.request_id)
+      if pt and s.start:
+        groups.setdefault(pt[0], []).append((s, pt))
+    group = max(groups.values(), key=len, default=[])
+    if len(group) < 2:
+      return (0, 0)
+    common = 0
+    for col in zip(*(pt for _, pt in group)):
+      if any(p != col[0] for p in col):
+        break
+      common += 1
+    return (min(common * self.pages.page_size, min(s.start for s, _ in group)), len(group))
 
   @property
   def num_tokens(self) -> int:
@@ -184,17 +207,17 @@ class Scheduler:
     between decode iterations (8.1.1's inserted prefill: the running requests wait for
     it); decodes run when nothing is admitted. fixed: a group runs to completion."""
     cfg = self.config
-    plan = StepPlan([], [], [], [], [], [], now)
+    plan = StepPlan([], [], [], [], [], [], now, self.pm)
     budget = min(cfg.token_budget, self.max_step_tokens)
     if cfg.policy == "separate":
       self._admit_waiting(plan, budget, now)
       if not plan.seqs:
         self._continue_running(plan, budget)
-      return self._finalize(plan)
+      return self._with_offloads(plan)
     budget = self._continue_running(plan, budget)
     if not (cfg.policy == "fixed" and self.running):  # a fixed group runs to completion first
       self._admit_waiting(plan, budget, now)
-    return self._finalize(plan)
+    return self._with_offloads(plan)
 
   def _continue_running(self, plan: StepPlan, budget: int) -> int:
     """Running requests: decode first (8.2.2), then unfinished prefills. Budget left."""
@@ -251,28 +274,12 @@ class Scheduler:
       plan.seqs.append(ScheduledSeq(r, r.num_computed, n))
       budget -= n
 
-  def _finalize(self, plan: StepPlan) -> StepPlan:
+  def _with_offloads(self, plan: StepPlan) -> StepPlan:
     """Pages evicted to the host tier this iteration must be copied out before any step
-    reuses them: the executor runs plan.offloads first. plan.shared: the step's largest
-    group of requests whose page tables start with the same pages, and how many cached
-    tokens those pages hold for all of them."""
+    reuses them: the executor runs plan.offloads first."""
     if self.cache is not None and self.cache.pending_offloads:
       plan.offloads.extend(self.cache.pending_offloads)
       self.cache.pending_offloads.clear()
-    groups = {}
-    for s in plan.seqs:
-      pt = self.pm.page_table(s.request.request_id)
-      if pt and s.start:
-        groups.setdefault(pt[0], []).append((s, pt))
-    group = max(groups.values(), key=len, default=[])
-    if len(group) > 1:
-      common = 0
-      for col in zip(*(pt for _, pt in group)):
-        if any(p != col[0] for p in col):
-          break
-        common += 1
-      tokens = min(common * self.pm.page_size, min(s.start for s, _ in group))
-      plan.shared = (tokens, len(group))
     return plan
 
   def _chunk(self, r: Request, budget: int, chunked: bool, first: bool) -> int:

@@ -95,14 +95,16 @@ def validate_values(q, pool, page_table, query_start, query_len, cached_len, *,
       raise ValueError(f"{name} of request slot {r} is {got}: must be {what}")
 
 
-def run_groups(q, pool, page_table, query_start, query_len, cached_len, *, max_query_len,
-               num_prefill_slots, sm_scale: Optional[float], q_precision: str,
+def run_groups(q, k_new, v_new, pool, page_table, query_start, query_len, cached_len, *,
+               max_query_len, num_prefill_slots, sm_scale: Optional[float], q_precision: str,
                group: Callable) -> jax.Array:
-  """out [T, N, H] float32. `group(q, scale, slots, Q, (page_table, query_start,
-  query_len, cached_len) of those slots)` returns (rows [R', Q, N, H], flat token index
-  [R', Q], T where a row is not a real token) for one group of slots holding up to Q
-  new tokens each."""
-  Rp = num_prefill_slots
+  """out [T, N, H] float32, the inputs validated first. `group(q, scale, Q,
+  (page_table, query_start, query_len, cached_len) of those slots)` returns (rows
+  [R', Q, N, H], flat token index [R', Q], T where a row is not a real token) for one
+  group of slots holding up to Q new tokens each."""
+  Rp = validate_static(q, k_new, v_new, pool, page_table, query_start, query_len, cached_len,
+                       max_query_len=max_query_len, num_prefill_slots=num_prefill_slots,
+                       q_precision=q_precision)
   validate_values(q, pool, page_table, query_start, query_len, cached_len,
                   max_query_len=max_query_len, num_prefill_slots=Rp)
   T, N, H = q.shape
@@ -113,6 +115,6 @@ def run_groups(q, pool, page_table, query_start, query_len, cached_len, *, max_q
   out = jnp.zeros((T, N, H), jnp.float32)
   for sl, Q in ((slice(0, R - Rp), 1), (slice(R - Rp, R), max_query_len)):
     if sl.stop > sl.start:
-      o, flat = group(q, scale, sl, Q, tuple(a[sl] for a in meta))
+      o, flat = group(q, scale, Q, tuple(a[sl] for a in meta))
       out = out.at[flat].set(o, mode="drop")
   return out

@@ -201,20 +201,18 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            q_precision: str = "native", interpret=None, num_warps: int = 4,
                            num_stages: int = 2):
   """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU."""
-  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
-                              cached_len, max_query_len=max_query_len,
-                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
   for name, v in (("pages_per_block", pages_per_block), ("num_splits", num_splits)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-  fmt = kv_codec.get_format(kv_codec.pool_format(pool))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
-  def group(qr, scale, _, Q, meta):
+  def group(qr, scale, Q, meta):  # called after run_groups validated the pool
+    fmt = kv_codec.get_format(kv_codec.pool_format(pool))
     return _group(qr, k_new, v_new, pool, layer, *meta, Q, scale, fmt, pages_per_block,
                   num_splits, interpret, num_warps, num_stages)
 
-  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
-                           max_query_len=max_query_len, num_prefill_slots=Rp,
+  return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
+                           cached_len, max_query_len=max_query_len,
+                           num_prefill_slots=num_prefill_slots,
                            sm_scale=sm_scale, q_precision=q_precision, group=group)

@@ -79,15 +79,13 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   The last `num_prefill_slots` slots hold up to max_query_len new tokens each, the
   others at most one (None: every slot may hold max_query_len). Tokens not covered by
   any request (padding) get zeros. q_precision: see kv_codec.round_q (8.4.4).
-  Inputs are checked by common.validate_static / validate_values.
+  Inputs are checked first (common.validate_static / validate_values).
   """
-  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
-                              cached_len, max_query_len=max_query_len,
-                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
 
-  def group(qr, scale, _, Q, meta):
+  def group(qr, scale, Q, meta):
     return attend_group(qr, k_new, v_new, pool, layer, *meta, Q, scale)
 
-  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
-                           max_query_len=max_query_len, num_prefill_slots=Rp,
+  return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
+                           cached_len, max_query_len=max_query_len,
+                           num_prefill_slots=num_prefill_slots,
                            sm_scale=sm_scale, q_precision=q_precision, group=group)

@@ -198,12 +198,9 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            sm_scale=None, q_precision: str = "native",
                            block_pages=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py."""
-  Rp = common.validate_static(q, k_new, v_new, pool, page_table, query_start, query_len,
-                              cached_len, max_query_len=max_query_len,
-                              num_prefill_slots=num_prefill_slots, q_precision=q_precision)
   T = q.shape[0]
 
-  def group(qr, scale, _, Q, meta):
+  def group(qr, scale, Q, meta):
     pt, qs, ql, cl = meta
     if Q == 1:  # decode slots: one new token each
       qi = jnp.clip(qs, 0, T - 1)
@@ -213,6 +210,7 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
     return prefill_attention(qr, k_new, v_new, pool, layer, pt, qs, ql, cl, Q, scale,
                              block_pages=block_pages)
 
-  return common.run_groups(q, pool, page_table, query_start, query_len, cached_len,
-                           max_query_len=max_query_len, num_prefill_slots=Rp,
+  return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
+                           cached_len, max_query_len=max_query_len,
+                           num_prefill_slots=num_prefill_slots,
                            sm_scale=sm_scale, q_precision=q_precision, group=group)
