@@ -8,7 +8,10 @@ Backends, all with the same arguments:
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
+
+import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import kv_codec
 from pallas_kernels.paged_attention import reference, xla
@@ -22,6 +25,7 @@ class AttentionSpec(NamedTuple):
   format's compute path). Hashable, so it is a static argument of the jitted step."""
   backend: str = "xla"
   q_precision: str = "native"
+  tp: Optional[object] = None  # sharding.TensorParallel: run per KV-head shard (shard_map)
 
 
 def check_backend(name: Union[str, AttentionSpec],
@@ -39,6 +43,19 @@ def check_backend(name: Union[str, AttentionSpec],
   return spec
 
 
+def write_kv(pool, ks, vs, page, offset, backend: Union[str, AttentionSpec] = "xla"):
+  """Write the step's K/V [L', T, K, H] of every layer run into the pool (once a step);
+  under tensor parallelism each device writes its own KV heads."""
+  from jaxinfer.kv import write_tokens
+  spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
+  if spec.tp is None or spec.tp.size == 1:
+    return write_tokens(pool, ks, vs, page, offset)
+  ax = spec.tp.mesh.axis_names[0]
+  return jax.shard_map(write_tokens, mesh=spec.tp.mesh,
+                       in_specs=(P(None, ax), P(None, None, ax), P(None, None, ax), P(), P()),
+                       out_specs=P(None, ax), check_vma=False)(pool, ks, vs, page, offset)
+
+
 def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
                     backend: Union[str, AttentionSpec] = "xla"):
   """q [T, N, H], k_new/v_new [T, K, H] -> [T, N, H] float32.
@@ -50,6 +67,17 @@ def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
   """
   max_query_len, prefill_slots = attn_shape
   spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
+  if spec.tp is not None and spec.tp.size > 1:
+    # Tensor parallel: each device attends with its query heads over its KV heads' pages
+    # (heads split contiguously, so a local query head's KV head is local too).
+    meta = {k: batch[k] for k in ("page_table", "query_start", "query_len", "cached_len")}
+    heads = P(None, spec.tp.mesh.axis_names[0])
+    local = spec._replace(tp=None)
+    return jax.shard_map(
+        lambda q, k, v, pool, layer, meta: paged_attention(
+            q, k, v, pool, layer, meta, attn_shape=attn_shape, backend=local),
+        mesh=spec.tp.mesh, in_specs=(heads, heads, heads, heads, P(), P()), out_specs=heads,
+        check_vma=False)(q, k_new, v_new, pool, layer, meta)
   args = (q, k_new, v_new, pool, layer, batch["page_table"], batch["query_start"],
           batch["query_len"], batch["cached_len"])
   if spec.backend == "xla":

@@ -87,6 +87,14 @@ flags.DEFINE_multi_string("lora", [], "a LoRA adapter as NAME=PEFT_DIR; repeatab
 flags.DEFINE_string("lora_name", None, "generate: run the prompts with this --lora adapter")
 flags.DEFINE_integer("max_loras", 0, "adapter slots on the device (0: one per --lora, at most 8)")
 flags.DEFINE_integer("max_lora_rank", 16, "the largest adapter rank the slots hold")
+flags.DEFINE_string("mesh", "", "devices: 'tp:N[,dp:M]' - each replica tensor parallel over N "
+                    "devices, M data-parallel replicas behind a router (default: one device)")
+flags.DEFINE_string("coordinator", None, "several processes (jax.distributed): HOST:PORT of "
+                    "process 0; also JAXINFER_COORDINATOR")
+flags.DEFINE_integer("num_processes", None, "several processes: how many (also "
+                     "JAXINFER_NUM_PROCESSES)")
+flags.DEFINE_integer("process_id", None, "several processes: this one's id in [0, "
+                     "num_processes) (also JAXINFER_PROCESS_ID)")
 flags.DEFINE_string("host", "127.0.0.1", "serve: address to bind")
 flags.DEFINE_integer("port", 8000, "serve: TCP port")
 flags.DEFINE_string("api_key", None, "serve: require `Authorization: Bearer <key>`")
@@ -168,6 +176,12 @@ def _check_engine_flags():
                  f"and {FLAGS.max_lora_rank}")
   if FLAGS.max_model_len < 0 or FLAGS.max_model_len == 1:
     _usage_error(f"--max_model_len must be 0 (the model's) or >= 2, got {FLAGS.max_model_len}")
+  from jaxinfer import sharding
+  try:  # before the first JAX call: a multi-process job joins here
+    sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    sharding.device_groups(sharding.MeshSpec.parse(FLAGS.mesh))
+  except ValueError as e:
+    _usage_error(str(e))
   if not FLAGS.buckets:
     return None
   from jaxinfer.buckets import BucketTable
@@ -207,7 +221,7 @@ def _make_llm(buckets, max_num_seqs=None, structured_output=False):
              deadline_admission=FLAGS.deadline_admission,
              buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output,
              lora_adapters=_lora_flags(), max_loras=FLAGS.max_loras or None,
-             max_lora_rank=FLAGS.max_lora_rank)
+             max_lora_rank=FLAGS.max_lora_rank, mesh=FLAGS.mesh or None)
 
 
 def _serve():
@@ -265,6 +279,9 @@ def _generate():
   else:
     outs = llm.generate(prompts, sps)
   t_gen = time.perf_counter() - t1
+  import jax
+  if jax.process_index() != 0:  # a multi-process job: process 0 prints
+    return
   n_out = sum(len(o.token_ids) for o in outs)
   print(f"[jaxinfer] {llm.cfg.name}: {load}, generated {n_out} tokens for "
         f"{len(outs)} prompt(s) in {t_gen:.2f}s{comp}", file=sys.stderr)

@@ -80,7 +80,8 @@ class LLM:
                deadline_admission: bool = False, warmup: bool = True,
                cache_eviction: str = "lru", host_cache_pages: int = 0,
                structured_output: bool = False, lora_adapters=None,
-               max_loras: Optional[int] = None, max_lora_rank: int = 16):
+               max_loras: Optional[int] = None, max_lora_rank: int = 16,
+               mesh: Optional[str] = None):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -103,7 +104,9 @@ class LLM:
     structured_output: the warm-up also compiles each shape's token-masked variant (steps
     that carry json_schema / regex / grammar / choice requests), so a server taking
     constrained requests never compiles mid-traffic; constrained requests work without it,
-    each masked variant then compiling at its first use."""
+    each masked variant then compiling at its first use;
+    mesh: "tp:N[,dp:M]" (jaxinfer/sharding.py): each replica tensor parallel over N
+    devices, M replicas behind a router (runtime/router.py), num_pages per replica."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     if not isinstance(structured_output, bool):
@@ -118,6 +121,9 @@ class LLM:
                     ("max_num_seqs", max_num_seqs)):  # checked before the (slow) model load
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    from jaxinfer import sharding
+    self.mesh = sharding.MeshSpec.parse(mesh)
+    groups = sharding.device_groups(self.mesh)
     from jaxinfer.runtime.scheduler import POLICIES
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -145,6 +151,7 @@ class LLM:
     self.model = model if isinstance(model, LoadedModel) else load_model(
         model, dtype, scan_layers=scan_layers)
     self.cfg = self.model.cfg
+    sharding.check_tp(self.cfg, self.mesh.tp)
     self.tokenizer = self.model.tokenizer
     self.max_model_len = min(max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(
@@ -177,7 +184,8 @@ class LLM:
                                 page_size=page_size, kv_format=kv_format, backend=attention,
                                 offload=offload, q_precision=q_precision,
                                 lora_adapters=adapters, max_loras=max_loras,
-                                max_lora_rank=max_lora_rank if max_loras else 0)
+                                max_lora_rank=max_lora_rank if max_loras else 0,
+                                devices=groups[0])
     sched = scheduler or SchedulerConfig(
         policy=policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,

@@ -11,7 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sampling
+from jaxinfer import attention, sampling
 from jaxinfer.model import transformer
 
 
@@ -38,12 +38,21 @@ def sample_packed(logits, inputs):
   return jnp.concatenate(cols, axis=-1)
 
 
+def _on_every_device(x, backend):
+  """Under tensor parallelism, the step's host-bound results are replicated, so every
+  process of a multi-process mesh can read them."""
+  tp = backend.tp if isinstance(backend, attention.AttentionSpec) else None
+  if tp is None or tp.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, tp.replicated())
+
+
 def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
   logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
                                      backend=backend)
-  packed = sample_packed(logits, inputs)
+  packed = _on_every_device(sample_packed(logits, inputs), backend)
   if return_logits:
-    return (packed, logits), pool
+    return (packed, _on_every_device(logits, backend)), pool
   return packed, pool
 
 
@@ -109,10 +118,10 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
   rewrites every layer there). Returns greedy draft tokens [S] and the pool."""
   x, ks, vs = transformer.hidden_states(params, pool, inputs, cfg, attn_shape=attn_shape,
                                         backend=backend, num_layers=num_layers)
-  from jaxinfer.kv import write_tokens
-  pool = write_tokens(pool, ks, vs, inputs["write_page"], inputs["write_offset"])
+  from jaxinfer.attention import write_kv
+  pool = write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"], backend)
   logits = transformer.lm_head(params, x[inputs["logits_idx"]])
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), pool
+  return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
 
 
 draft_step = jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),

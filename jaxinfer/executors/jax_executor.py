@@ -31,7 +31,8 @@ class JaxExecutor:
                kv_format: str = "f32", backend: str = "xla", offload=None,
                q_precision: str = "native", overlap_masks: Optional[bool] = None,
                lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
-               lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None):
+               lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None,
+               devices: Optional[Sequence] = None):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
@@ -45,7 +46,10 @@ class JaxExecutor:
     (default: every target of the given adapters); the adapters wait in host memory
     until a request needs them (jaxinfer.lora.slots). lora_mode: one of lora.ops.MODES
     for every step carrying adapters (benchmarks, tests); default: the measured winners
-    (ops.DECODE_MODE for decode-only steps, ops.PREFILL_MODE otherwise)."""
+    (ops.DECODE_MODE for decode-only steps, ops.PREFILL_MODE otherwise).
+    devices: the devices this executor runs on (default: the first one); several: tensor
+    parallel over them (jaxinfer/sharding.py: weights split by their logical axes, the
+    KV pool by KV heads, attention per shard)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params
@@ -56,9 +60,28 @@ class JaxExecutor:
     self.overlap_masks = (jax.default_backend() != "cpu") if overlap_masks is None else \
         bool(overlap_masks)
     enable_compilation_cache()
-    self.pool = allocate_pool(cfg, kv_format, num_pages, page_size)
+    self.tp = None
+    self.devices = list(devices) if devices else [jax.devices()[0]]
+    if len(self.devices) > 1:
+      if offload is not None and offload.layers:
+        raise ValueError("weight offload runs on one device: not with tensor parallelism")
+      if max_loras:
+        raise ValueError("LoRA adapters run on one device: not with tensor parallelism")
+      from jaxinfer import sharding
+      self.tp = sharding.make_tp(cfg, self.devices)
+      self.backend = self.backend._replace(tp=self.tp)
+      self.params = sharding.shard_params(params, cfg, self.tp)
+      pool = jax.eval_shape(lambda: allocate_pool(cfg, kv_format, num_pages, page_size))
+      self.pool = jax.jit(lambda: {k: jax.numpy.zeros(a.shape, a.dtype) for k, a in
+                                   pool.items()}, out_shardings=self.tp.pool_sharding())()
+    else:
+      if self.devices[0] != jax.devices()[0]:  # a data-parallel replica's own device
+        self.params = jax.device_put(params, self.devices[0])
+      self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self.streamer = None
+    if offload is not None and offload.layers and self.devices[0] != jax.devices()[0]:
+      raise ValueError("weight offload streams to the first device only")
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
       bpp = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
@@ -87,7 +110,8 @@ class JaxExecutor:
         raise ValueError(f"unknown LoRA target {t!r}; choose from {LORA_TARGETS}")
     dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
     self.lora_rank, self.lora_targets = rank, targets
-    self.lora_pool = lora_ops.allocate(self.cfg, targets, self.max_loras, rank, dtype)
+    self.lora_pool = jax.device_put(
+        lora_ops.allocate(self.cfg, targets, self.max_loras, rank, dtype), self.devices[0])
     for a in adapters:
       self.register_lora(a)
 

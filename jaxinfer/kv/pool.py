@@ -41,7 +41,8 @@ def pool_bytes(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int)
   return int(round(bytes_per_token(cfg, kv_format, page_size) * num_pages * page_size))
 
 
-def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int) -> KVPool:
+def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int,
+                  device=None) -> KVPool:
   fmt = get_format(kv_format)
   kv_codec.check_head_dim(fmt, cfg.head_dim)
   L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -56,7 +57,7 @@ def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: i
     pool["v_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
   # Commit to the device like the step's outputs, so the first step and later ones hit
   # the same compiled executable (jit keys on committed-ness).
-  return jax.device_put(pool, jax.devices()[0])
+  return jax.device_put(pool, jax.devices()[0] if device is None else device)
 
 
 def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):

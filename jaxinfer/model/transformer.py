@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv import write_tokens
+from jaxinfer.attention import write_kv
 from jaxinfer.model import layers
 
 
@@ -85,6 +85,6 @@ def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   """Returns (logits [S, V] f32 at batch["logits_idx"], pool with the step's K/V written)."""
   x, ks, vs = hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                             backend=backend)
-  pool = write_tokens(pool, ks, vs, batch["write_page"], batch["write_offset"])
+  pool = write_kv(pool, ks, vs, batch["write_page"], batch["write_offset"], backend)
   logits = lm_head(params, x[batch["logits_idx"]])
   return logits, pool
