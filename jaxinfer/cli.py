@@ -89,6 +89,8 @@ flags.DEFINE_integer("max_loras", 0, "adapter slots on the device (0: one per --
 flags.DEFINE_integer("max_lora_rank", 16, "the largest adapter rank the slots hold")
 flags.DEFINE_string("mesh", "", "devices: 'tp:N[,dp:M]' - each replica tensor parallel over N "
                     "devices, M data-parallel replicas behind a router (default: one device)")
+flags.DEFINE_enum("routing", "prefix", ["prefix", "round_robin"], "with dp > 1: send a request "
+                  "to the replica that saw its longest prefix (balanced by load), or in turn")
 flags.DEFINE_string("coordinator", None, "several processes (jax.distributed): HOST:PORT of "
                     "process 0; also JAXINFER_COORDINATOR")
 flags.DEFINE_integer("num_processes", None, "several processes: how many (also "
@@ -221,7 +223,8 @@ def _make_llm(buckets, max_num_seqs=None, structured_output=False):
              deadline_admission=FLAGS.deadline_admission,
              buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output,
              lora_adapters=_lora_flags(), max_loras=FLAGS.max_loras or None,
-             max_lora_rank=FLAGS.max_lora_rank, mesh=FLAGS.mesh or None)
+             max_lora_rank=FLAGS.max_lora_rank, mesh=FLAGS.mesh or None,
+             routing=FLAGS.routing)
 
 
 def _serve():

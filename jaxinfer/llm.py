@@ -81,7 +81,7 @@ class LLM:
                cache_eviction: str = "lru", host_cache_pages: int = 0,
                structured_output: bool = False, lora_adapters=None,
                max_loras: Optional[int] = None, max_lora_rank: int = 16,
-               mesh: Optional[str] = None):
+               mesh: Optional[str] = None, routing: str = "prefix"):
     """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
     adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
     draft_model: for speculative="draft_model", a name, path or LoadedModel;
@@ -106,7 +106,8 @@ class LLM:
     constrained requests never compiles mid-traffic; constrained requests work without it,
     each masked variant then compiling at its first use;
     mesh: "tp:N[,dp:M]" (jaxinfer/sharding.py): each replica tensor parallel over N
-    devices, M replicas behind a router (runtime/router.py), num_pages per replica."""
+    devices, M replicas behind a router (runtime/router.py), num_pages per replica;
+    routing: the router's policy with dp > 1 ("prefix" or "round_robin")."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
     if not isinstance(structured_output, bool):
@@ -124,6 +125,12 @@ class LLM:
     from jaxinfer import sharding
     self.mesh = sharding.MeshSpec.parse(mesh)
     groups = sharding.device_groups(self.mesh)
+    from jaxinfer.runtime.router import ROUTING
+    if routing not in ROUTING:
+      raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
+    if speculative == "draft_model" and self.mesh.devices > 1:
+      raise ValueError("speculative='draft_model' runs the draft model on one device: not "
+                       f"with mesh {self.mesh}")
     from jaxinfer.runtime.scheduler import POLICIES
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -180,12 +187,6 @@ class LLM:
                          "max_loras / max_lora_rank")
       log.info("LoRA slots take %d KV pages' device memory", taken)
       num_pages -= taken
-    self.executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
-                                page_size=page_size, kv_format=kv_format, backend=attention,
-                                offload=offload, q_precision=q_precision,
-                                lora_adapters=adapters, max_loras=max_loras,
-                                max_lora_rank=max_lora_rank if max_loras else 0,
-                                devices=groups[0])
     sched = scheduler or SchedulerConfig(
         policy=policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
@@ -196,14 +197,27 @@ class LLM:
     if speculative == "draft_model" and draft_model is not None and not isinstance(
         draft_model, LoadedModel):
       draft_model = load_model(draft_model, dtype, scan_layers=scan_layers)
-    drafter = make_drafter(speculative,
-                           early_exit_layers=early_exit_layers or self.cfg.num_layers // 2,
-                           draft_model=draft_model, draft_pages=num_pages)
-    self.engine = Engine(self.executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
-                         eos_token_ids=eos, max_model_len=self.max_model_len,
-                         prefix_cache=prefix_cache, cache_eviction=cache_eviction,
-                         host_cache_pages=host_cache_pages, drafter=drafter,
-                         draft_policy=DraftLengthPolicy(num_draft, adaptive_draft))
+    engines = []
+    for devices in groups:  # one replica per data-parallel group of tp devices
+      executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
+                             page_size=page_size, kv_format=kv_format, backend=attention,
+                             offload=offload, q_precision=q_precision,
+                             lora_adapters=adapters, max_loras=max_loras,
+                             max_lora_rank=max_lora_rank if max_loras else 0, devices=devices)
+      drafter = make_drafter(speculative,
+                             early_exit_layers=early_exit_layers or self.cfg.num_layers // 2,
+                             draft_model=draft_model, draft_pages=num_pages)
+      engines.append(Engine(executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
+                            eos_token_ids=eos, max_model_len=self.max_model_len,
+                            prefix_cache=prefix_cache, cache_eviction=cache_eviction,
+                            host_cache_pages=host_cache_pages, drafter=drafter,
+                            draft_policy=DraftLengthPolicy(num_draft, adaptive_draft)))
+    self.replicas = engines  # one Engine per data-parallel replica
+    self.executor = engines[0].executor
+    self.engine = engines[0]
+    if len(engines) > 1:
+      from jaxinfer.runtime.router import Router
+      self.engine = Router(engines, routing)
     self.warmup_s = self.engine.warmup(progress=True, structured=structured_output) \
         if warmup else 0.0
 
@@ -219,11 +233,11 @@ class LLM:
     if not isinstance(path, str):
       raise ValueError(f"adapter path must be a str (a PEFT directory), got {path!r}")
     adapter = load_peft(path, self.cfg, name, max_rank=self.executor.lora_rank)
-    slots = self.engine.scheduler.adapters
-    if slots.users.get(name):
+    if any(e.scheduler.adapters.users.get(name) for e in self.replicas):
       raise ValueError(f"LoRA adapter {name!r} is in use by running requests")
-    self.executor.register_lora(adapter)
-    slots.forget(name)  # a replaced adapter is loaded afresh at its next use
+    for e in self.replicas:
+      e.executor.register_lora(adapter)
+      e.scheduler.adapters.forget(name)  # a replaced adapter is loaded afresh at next use
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":

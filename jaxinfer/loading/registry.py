@@ -151,6 +151,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     tokenizer = tok.tokenizer_from_gguf(reader)
     ckpt_dir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype))
     params = None
+    if jax.process_count() > 1:  # orbax saves and restores collectively across a
+      use_cache = False  # jax.distributed job; each process converts the GGUF itself
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):
       try:
         params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)

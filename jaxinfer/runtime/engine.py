@@ -291,6 +291,16 @@ class Engine:
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
 
+  @property
+  def num_steps(self) -> int:
+    """Steps finished so far (the last record's index + 1; records may be trimmed)."""
+    return self._num_steps
+
+  @property
+  def replicas(self) -> list:
+    """The engines serving requests: this one (a Router has several)."""
+    return [self]
+
   def warmup(self, progress: bool = False, structured: bool = False) -> float:
     """Compile every shape this configuration can run ahead of time (real executors): the
     table's buckets, with a drafter also the verify shapes and the drafter's own steps

@@ -196,12 +196,13 @@ class EngineService:
             cmd = None
         idle = False
         if eng.has_unfinished():
-          last = eng.steps[-1].index if eng.steps else -1
+          before = eng.num_steps
           events = eng.step()
-          ran = bool(eng.steps) and eng.steps[-1].index != last
+          ran = eng.num_steps - before  # a router's step may finish one per replica
           idle = not ran and not events
           if ran and self.metrics is not None:
-            self.metrics.on_step(eng.steps[-1], eng)
+            for record in eng.steps[-ran:]:
+              self.metrics.on_step(record, eng)
         elif handled and self.metrics is not None:  # e.g. an abort freed pages
           self.metrics.refresh(eng)
         self._publish()

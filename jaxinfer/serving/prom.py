@@ -63,13 +63,14 @@ class ServerMetrics:
     self.refresh(engine)
 
   def refresh(self, engine) -> None:
-    s = engine.scheduler
-    self.running.set(len(s.running))
-    self.waiting.set(len(s.waiting))
-    pm = engine.pm
-    self.pages_free.set(pm.num_free)
-    self.pages_used.set(pm.num_pages - pm.num_free)
-    self.kv_usage.set((pm.num_pages - pm.num_free) / pm.num_pages)
+    reps = engine.replicas  # summed over data-parallel replicas
+    self.running.set(sum(len(e.scheduler.running) for e in reps))
+    self.waiting.set(sum(len(e.scheduler.waiting) for e in reps))
+    free = sum(e.pm.num_free for e in reps)
+    total = sum(e.pm.num_pages for e in reps)
+    self.pages_free.set(free)
+    self.pages_used.set(total - free)
+    self.kv_usage.set((total - free) / total)
 
   def on_finish(self, r) -> None:
     self.finished.labels(finished_reason=r.finish_reason or "unknown", **self._lab).inc()
