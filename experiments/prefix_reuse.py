@@ -69,6 +69,36 @@ def run_session(engine, shape: SessionShape, strategy: str, rounds: int, seed: i
   return records
 
 
+def run_dp_sessions(router, shape: SessionShape, sessions: int, rounds: int, seed: int = 0):
+  """`sessions` append-strategy agent sessions advancing together, a round at a time
+  (every session's next prompt arrives at once, then the interfering requests), through
+  a data-parallel router: which replica a session's rounds land on decides its hits."""
+  rng = np.random.default_rng(seed)
+  tok = lambda n: rng.integers(100, 30000, n).tolist()  # noqa: E731
+  systems = [tok(shape.system_tokens) for _ in range(sessions)]
+  history = [[] for _ in range(sessions)]
+  prompt_tokens = cached = 0
+  ttfts = []
+  for _ in range(rounds):
+    reqs = []
+    for i in range(sessions):
+      history[i] += tok(shape.result_tokens)
+      reqs.append(router.add_request(systems[i] + history[i], SamplingParams(
+          max_tokens=shape.reply_tokens, ignore_eos=True), arrival_time=router.now()))
+    for _ in range(shape.interfering):
+      router.add_request(tok(shape.interfering_tokens), SamplingParams(
+          max_tokens=8, ignore_eos=True), arrival_time=router.now())
+    router.run()
+    for i, r in enumerate(reqs):
+      history[i] += r.output_token_ids
+      prompt_tokens += len(r.prompt_token_ids)
+      cached += r.cached_tokens
+      ttfts.append(r.ttft)
+  return {"session_prompt_tokens": prompt_tokens, "session_cached_tokens": cached,
+          "hit_fraction": cached / prompt_tokens, "mean_ttft_s": float(np.mean(ttfts)),
+          "routed": list(router.routed)}
+
+
 def sim_engine(pool_gib: float, host_pages: int):
   from jaxinfer.costmodel import RooflineStepModel
   from jaxinfer.executors.sim_executor import SimExecutor
@@ -102,7 +132,7 @@ def summarize_run(engine, records):
 
 
 def run_study(c, output_dir: str = "") -> dict:
-  n = sum(len(c.strategies) * len(c[f"{ex}_pools"]) for ex in c.executors)
+  n = sum(len(c.strategies) * len(c[f"{ex}_pools"]) for ex in c.executors) + len(c.dp_routing)
   prog = Progress(n, "prefix_reuse")
   results = []
   for ex in c.executors:
@@ -129,10 +159,18 @@ def run_study(c, output_dir: str = "") -> dict:
           results.append({"executor": ex, "pool": f"{int(pool_tokens)} tokens",
                           "host_pages": int(host), "strategy": strat, **res})
           prog.step(f"jax {pool_tokens} tokens host {host} {strat}")
+  dp = []
+  for routing in c.dp_routing:  # data-parallel replicas behind the router (issue: dp)
+    from jaxinfer.runtime.router import Router
+    router = Router([sim_engine(c.dp_pool_gib, 0) for _ in range(c.dp_replicas)], routing)
+    dp.append({"routing": routing, "replicas": c.dp_replicas, "sessions": c.dp_sessions,
+               **run_dp_sessions(router, SessionShape(), c.dp_sessions, c.rounds)})
+    prog.step(f"sim dp={c.dp_replicas} {routing}")
   if output_dir:
-    write_json(output_dir, "prefix_reuse.json", {"config": c.to_dict(), "results": results})
+    write_json(output_dir, "prefix_reuse.json", {"config": c.to_dict(), "results": results,
+                                                 "dp": dp})
     plot(results, os.path.join(output_dir, "prefix_reuse.png"))
-  return {"results": results}
+  return {"results": results, "dp": dp}
 
 
 def plot(results, path: str) -> None:
@@ -174,6 +212,14 @@ def print_table(res: dict) -> None:
           f"{r['session_prompt_tokens']:>10} {r['session_cached_tokens']:>7} "
           f"{r['device_hit_tokens']:>10} {r['host_hit_tokens']:>8} {r['recomputed_tokens']:>10} "
           f"{r['mean_ttft_s']:>11.3f}")
+  if res["dp"]:
+    print("\ndata-parallel replicas (simulated Qwen3-8B on RTX PRO 6000), append sessions")
+    print(f"{'routing':>12} {'replicas':>8} {'sessions':>8} {'session in':>10} {'cached':>8} "
+          f"{'hit %':>6} {'mean TTFT s':>11}  routed")
+    for r in res["dp"]:
+      print(f"{r['routing']:>12} {r['replicas']:>8} {r['sessions']:>8} "
+            f"{r['session_prompt_tokens']:>10} {r['session_cached_tokens']:>8} "
+            f"{100 * r['hit_fraction']:>6.1f} {r['mean_ttft_s']:>11.3f}  {r['routed']}")
 
 
 if __name__ == "__main__":

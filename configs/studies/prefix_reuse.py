@@ -17,7 +17,15 @@ def get_config(mode: str = ""):
   c.model = "smollm2-135m-instruct"
   c.jax_scale = 1 / 16
   c.jax_pools = ((4096, 0), (512, 0), (512, 64))
+  # data parallelism: dp_sessions sessions at once over dp_replicas simulated replicas
+  # (each a dp_pool_gib KV pool), routed by longest prefix or round robin
+  c.dp_routing = ("prefix", "round_robin")
+  c.dp_replicas = 4
+  c.dp_sessions = 8
+  c.dp_pool_gib = 6.0
   if mode == "small":
+    c.dp_replicas = 2
+    c.dp_sessions = 3
     c.executors = ("jax",)
     c.rounds = 3
     c.strategies = ("append", "rewrite_head")

@@ -90,6 +90,10 @@ class Router:
       out.update(e.requests)
     return out
 
+  def now(self) -> float:
+    """The latest replica clock (simulated replicas each keep their own)."""
+    return max(e.now() for e in self.replicas)
+
   def validate_request(self, prompt_token_ids, sampling):
     return self.replicas[0].validate_request(prompt_token_ids, sampling)
 

@@ -1,0 +1,89 @@
+"""Runs in subprocesses started by tests/test_sharding.py: the CPU device count (XLA_FLAGS)
+and jax.distributed must be set before JAX starts, so these checks cannot share the test
+process. Prints one JSON object on its last line.
+
+  python tests/sharding_worker.py tp             # 8 virtual devices: tp 1/2/4, dp 2
+  python tests/sharding_worker.py dist PORT ID   # one process of a 2-process tp=2 job
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+PROMPTS = [[(7 * i + 3 * j) % 997 + 1 for j in range(5 + 9 * i)] for i in range(5)]
+MAX_TOKENS = 8
+
+
+def tiny_qwen3():
+  """A random Qwen3 with 16 query and 8 KV heads (qk-norm on), small enough to compile fast."""
+  import jax
+  from jaxinfer.config import MODEL_CONFIGS
+  from jaxinfer.loading.registry import LoadedModel
+  from jaxinfer.model.params import init_params
+  cfg = MODEL_CONFIGS["qwen3-0.6b"].replace(
+      name="qwen3-tiny-random", vocab_size=1024, hidden_size=128, intermediate_size=256,
+      num_layers=2, num_heads=16, num_kv_heads=8, head_dim=16, max_position=512)
+  params = init_params(cfg, jax.random.PRNGKey(0), std=0.5)  # well-separated logits
+  return LoadedModel(cfg, params, None, "random")
+
+
+def make_llm(m, mesh):
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.llm import LLM
+  return LLM(m, mesh=mesh, num_pages=64, warmup=False,
+             buckets=BucketTable.default(max_tokens=64, max_requests=4, max_pages=8))
+
+
+def greedy(llm, prompts=PROMPTS):
+  from jaxinfer.config import SamplingParams
+  sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+  return [o.token_ids for o in llm.generate(prompts, sp)]
+
+
+def run_tp() -> dict:
+  import jax
+  from jaxinfer import sharding
+  from jaxinfer.step import model_step
+  m = tiny_qwen3()
+  out = {"devices": jax.device_count(), "tokens": {}, "weights": {}, "pool": {}}
+  for tp in (1, 2, 4):
+    llm = make_llm(m, f"tp:{tp}")
+    out["tokens"][f"tp:{tp}"] = greedy(llm)
+    if tp == 4:  # warm: the same shapes again (other token values) compile nothing, so
+      # every step's outputs (the donated pool included) keep their input's sharding
+      before = model_step._cache_size()
+      greedy(llm, [[(t * 5 + 11) % 1000 for t in p] for p in PROMPTS])
+      out["compiled_when_warm"] = model_step._cache_size() - before
+    p = llm.executor.params
+    split = {k: p["layers"][k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    split["embed"] = p["embed"]
+    out["weights"][tp] = {"full": sum(a.nbytes for a in jax.tree_util.tree_leaves(split)),
+                          "per_device": sharding.device_bytes(split)}
+    pool = llm.executor.pool
+    out["pool"][tp] = {"full": sum(a.nbytes for a in pool.values()),
+                       "per_device": sharding.device_bytes(pool)}
+  for mesh in ("dp:2", "tp:2,dp:2"):
+    llm = make_llm(m, mesh)
+    out["tokens"][mesh] = greedy(llm)
+    router = llm.engine
+    out.setdefault("served", {})[mesh] = [sorted(e.requests) for e in router.replicas]
+    out.setdefault("replica_devices", {})[mesh] = [
+        sorted(d.id for d in e.executor.devices) for e in router.replicas]
+  return out
+
+
+def run_dist(port: int, pid: int) -> dict:
+  from jaxinfer import sharding
+  sharding.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+  import jax
+  llm = make_llm(tiny_qwen3(), "tp:2")
+  tokens = greedy(llm)
+  return {"process": pid, "processes": jax.process_count(),
+          "devices": [d.id for d in llm.executor.devices],
+          "pool_local_bytes": sharding.device_bytes(llm.executor.pool), "tokens": tokens}
+
+
+if __name__ == "__main__":
+  mode = sys.argv[1]
+  res = run_tp() if mode == "tp" else run_dist(int(sys.argv[2]), int(sys.argv[3]))
+  print(json.dumps(res))

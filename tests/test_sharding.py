@@ -1,0 +1,148 @@
+"""Several devices (jaxinfer/sharding.py, runtime/router.py): tensor parallel greedy
+tokens equal one device's (tp 1/2/4 on a random Qwen3 with 8 KV heads, tp 3 on SmolLM2
+through the CLI, tp 2 across two jax.distributed processes), each device holds 1/tp of
+the split weights and KV, a warm sharded engine never recompiles, dp replicas behind the
+router serve every request once with one device's outputs; the mesh and routing checks."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import sharding
+from jaxinfer.config import MODEL_CONFIGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  return env
+
+
+def _last_json(text: str) -> dict:
+  return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tp_run():
+  p = subprocess.run([sys.executable, WORKER, "tp"], env=_env(8), capture_output=True,
+                     text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return _last_json(p.stdout)
+
+
+def test_tensor_parallel_tokens_equal_one_device(tp_run):
+  ref = tp_run["tokens"]["tp:1"]
+  assert len(ref) == 5 and all(len(t) == 8 for t in ref)
+  for mesh in ("tp:2", "tp:4", "dp:2", "tp:2,dp:2"):
+    assert tp_run["tokens"][mesh] == ref, mesh
+
+
+def test_each_device_holds_its_share(tp_run):
+  for tp in ("1", "2", "4"):
+    for what in ("weights", "pool"):
+      rec = tp_run[what][tp]
+      assert len(rec["per_device"]) == int(tp), (what, tp)
+      for dev, n in rec["per_device"].items():
+        assert n * int(tp) == rec["full"], (what, tp, dev, n)
+
+
+def test_warm_sharded_engine_never_recompiles(tp_run):
+  assert tp_run["compiled_when_warm"] == 0
+
+
+def test_data_parallel_serves_each_request_once_on_its_own_devices(tp_run):
+  for mesh, groups in (("dp:2", [[0], [1]]), ("tp:2,dp:2", [[0, 1], [2, 3]])):
+    served = tp_run["served"][mesh]
+    ids = [i for rep in served for i in rep]
+    assert sorted(ids) == list(range(5)), (mesh, served)
+    assert all(served), f"{mesh}: a replica served nothing: {served}"
+    assert tp_run["replica_devices"][mesh] == groups
+
+
+def _free_port() -> int:
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  port = s.getsockname()[1]
+  s.close()
+  return port
+
+
+def test_two_processes_jax_distributed_tp2(tp_run):
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, WORKER, "dist", str(port), str(i)], env=_env(1),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=300)
+      assert p.returncode == 0, err[-3000:]
+      outs.append(_last_json(out))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, o in enumerate(outs):
+    assert o["process"] == i and o["processes"] == 2 and len(o["devices"]) == 2
+    assert len(o["pool_local_bytes"]) == 1  # each process holds its own half of the KV
+    assert o["tokens"] == tp_run["tokens"]["tp:1"]
+
+
+def test_cli_generate_tp3_on_smollm2_matches_recompute(smollm2):
+  from helpers import recompute_greedy
+  prompt = "The capital of France is"
+  p = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--mesh=tp:3", "--json",
+                      "--nowarmup", "--max_tokens=6", f"--prompt={prompt}"], env=_env(3),
+                     capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert p.returncode == 0, p.stderr[-3000:]
+  out = _last_json(p.stdout)
+  ids = smollm2.tokenizer.encode(prompt)
+  assert out["prompt_token_ids"] == ids
+  assert out["token_ids"] == recompute_greedy(smollm2.cfg, smollm2.params, ids, 6)
+
+
+def test_mesh_spec_and_tp_checks():
+  assert sharding.MeshSpec.parse("tp:2,dp:3") == sharding.MeshSpec(2, 3)
+  assert sharding.MeshSpec.parse("dp:2") == sharding.MeshSpec(1, 2)
+  for bad in ("tp2", "tp:0", "tp:2,tp:2", "pp:2", 3):
+    with pytest.raises(ValueError, match="mesh"):
+      sharding.MeshSpec.parse(bad)
+  smol = MODEL_CONFIGS["smollm2-135m-instruct"]
+  sharding.check_tp(smol, 3)
+  with pytest.raises(ValueError, match=r"tp=2 does not divide .*num_heads=9.*possible: \[1, 3\]"):
+    sharding.check_tp(smol, 2)
+  with pytest.raises(ValueError, match="needs 4 devices, 1 are visible"):
+    sharding.device_groups(sharding.MeshSpec(2, 2))
+
+
+def test_cli_refuses_a_mesh_larger_than_the_machine():
+  p = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--mesh=tp:3,dp:2"],
+                     env=_env(4), capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert p.returncode == 2
+  assert "needs 6 devices, 4 are visible" in p.stderr
+
+
+def test_prefix_routing_keeps_sessions_on_their_replica():
+  """Simulated replicas (Qwen3-8B on RTX PRO 6000), agent sessions advancing together:
+  routing by prefix serves more of the sessions' prompt tokens from cache than round
+  robin, which sends a session's rounds to other replicas."""
+  from experiments.prefix_reuse import SessionShape, run_dp_sessions, sim_engine
+  from jaxinfer.runtime.router import Router
+  shape = SessionShape().scaled(0.25)
+  res = {}
+  for routing in ("prefix", "round_robin"):
+    router = Router([sim_engine(2.0, 0) for _ in range(2)], routing)
+    res[routing] = run_dp_sessions(router, shape, sessions=3, rounds=4)
+    assert sum(res[routing]["routed"]) == 4 * (3 + shape.interfering)
+  assert res["prefix"]["hit_fraction"] > res["round_robin"]["hit_fraction"] + 0.05, res
+  with pytest.raises(ValueError, match="routing must be one of"):
+    Router([sim_engine(1.0, 0)], "random")
