@@ -12,6 +12,7 @@
   python -m experiments.plan kv_format            # 8.4.2's fitted ITL lines, crossover
   python -m experiments.plan snapshots            # 8.3.3's recurrent-state snapshots
   python -m experiments.plan spec --draft_model=qwen3-0.6b --drafting=parallel  # 8.5.3
+  python -m experiments.plan tp --model=qwen3-8b --tp=1,2,4 --json   # tensor parallel
 """
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ flags.DEFINE_list("targets", ["q", "v"], "lora: adapted weights (q,k,v,o,gate,up
 flags.DEFINE_integer("num_adapters", 100, "lora: adapters registered (host memory)")
 flags.DEFINE_integer("max_loras", 8, "lora: adapter slots on the device")
 flags.DEFINE_integer("batch", 16, "lora: decode batch of the round-time rows")
+flags.DEFINE_list("tp", ["1", "2", "4"], "tp: tensor-parallel device counts")
+flags.DEFINE_float("memory_utilization", 0.9, "tp: share of each device's memory for weights "
+                   "and KV (vLLM's gpu_memory_utilization)", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_string("variants", "", "select: variants config (default configs/plan_select.json)")
 flags.DEFINE_bool("json", False, "emit JSON")
 flags.DEFINE_string("output_dir", "", "write JSON and figures here")
@@ -375,10 +379,73 @@ def cmd_lora():
           "batch": B, "context": L, "round_ms_base": 1e3 * plain, "rounds": rows}
 
 
+def _simulate(rm, num_pages: int, requests: int, input_tokens: int, output_tokens: int):
+  """`requests` prompts arriving together through the real scheduler on the simulated
+  clock (chunked prefill, 8192-token steps): makespan and output tokens per second."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  eng = Engine(SimExecutor(rm, num_pages=num_pages, page_size=FLAGS.page_size),
+               SchedulerConfig("chunked", min(requests, 256), 8192, 8192),
+               buckets=BucketTable.default(8192, 256, -(-(input_tokens + output_tokens) //
+                                                       FLAGS.page_size)))
+  sp = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+  reqs = [eng.add_request([7] * input_tokens, sp, arrival_time=0.0) for _ in range(requests)]
+  eng.run()
+  end = max(r.token_times[-1] for r in reqs)
+  return {"makespan_s": end, "output_tok_s": requests * output_tokens / end,
+          "mean_ttft_s": sum(r.ttft for r in reqs) / requests,
+          "preemptions": sum(r.num_preemptions for r in reqs)}
+
+
+def cmd_tp():
+  """Tensor parallelism over tp devices (jaxinfer/sharding.py's layout): each device
+  reads 1/tp of the weights and KV and runs 1/tp of the FLOPs, and each layer adds two
+  ring all-reduces of the step's [T, D] activations over the device-to-device link
+  (RooflineStepModel.comm_time). Per configuration: the decode round of --batch requests
+  at --context, one --input_tokens prefill, the KV capacity in the devices' memory at
+  --memory_utilization, and --num_requests requests run through the simulator."""
+  tps = _positive_ints("tp")
+  rows = []
+  for tp in tps:
+    try:
+      rm = costmodel.RooflineStepModel.for_names(FLAGS.model, FLAGS.hardware, FLAGS.kv_format,
+                                                 FLAGS.page_size, tp=tp)
+    except ValueError as e:
+      raise app.UsageError(f"--tp={tp}: {e}") from None
+    hw, c = rm.hw, rm.costs
+    if not hw.memory_gb:
+      raise app.UsageError(f"--hardware={hw.name} has no memory size in its profile")
+    dec_seqs = [(1, FLAGS.context)] * FLAGS.batch
+    rnd, rnd_comm = rm.step_time(dec_seqs), rm.comm_time(dec_seqs)
+    pre_seqs = [(FLAGS.input_tokens, 0)]
+    pre, pre_comm = rm.step_time(pre_seqs), rm.comm_time(pre_seqs)
+    kv_bytes = tp * FLAGS.memory_utilization * hw.memory_gb * 1e9 - c.weight_bytes
+    kv_tokens = max(int(kv_bytes // c.kv_bytes_per_token), 0)
+    per_req = -(-(FLAGS.input_tokens + FLAGS.output_tokens) // FLAGS.page_size)
+    pages = kv_tokens // FLAGS.page_size
+    row = {"tp": tp, "link": hw.interconnect if tp > 1 else "-",
+           "weights_per_device_gib": c.weight_bytes / tp / 2**30,
+           "decode_round_ms": 1e3 * rnd, "decode_comm_share": rnd_comm / rnd,
+           "decode_tok_s": FLAGS.batch / rnd,
+           "prefill_s": pre, "prefill_comm_share": pre_comm / pre,
+           "kv_capacity_tokens": kv_tokens, "max_requests": pages // per_req}
+    if pages >= per_req:
+      row.update(_simulate(rm, pages, FLAGS.num_requests, FLAGS.input_tokens,
+                           FLAGS.output_tokens))
+    rows.append(row)
+  return {"model": FLAGS.model, "hardware": FLAGS.hardware, "batch": FLAGS.batch,
+          "context": FLAGS.context, "input_tokens": FLAGS.input_tokens,
+          "output_tokens": FLAGS.output_tokens, "num_requests": FLAGS.num_requests,
+          "rows": rows}
+
+
 COMMANDS = {"capacity": cmd_capacity, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
             "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora,
             "rates": cmd_rates, "weights": cmd_weights, "kv_format": cmd_kv_format,
-            "snapshots": cmd_snapshots}
+            "snapshots": cmd_snapshots, "tp": cmd_tp}
 
 
 def _print(out, indent=""):

@@ -39,6 +39,22 @@ class ModelConfig:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
+  def check_tp(self, tp: int) -> None:
+    """Raise unless tensor parallelism over `tp` devices splits the query heads, the KV
+    heads and the FFN width evenly (jaxinfer/sharding.py, costmodel's tp model)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+      raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+    sizes = (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
+             ("intermediate_size", self.intermediate_size))
+    for name, n in sizes:
+      if n % tp:
+        ok = [t for t in range(1, self.num_kv_heads + 1) if not any(v % t for _, v in sizes)]
+        raise ValueError(
+            f"tp={tp} does not divide {self.name}'s {name}={n}: each device would hold a "
+            f"fraction of a head or FFN column block; tp must divide num_heads="
+            f"{self.num_heads}, num_kv_heads={self.num_kv_heads} and intermediate_size="
+            f"{self.intermediate_size} (possible: {ok})")
+
   @property
   def q_per_kv(self) -> int:
     return self.num_heads // self.num_kv_heads

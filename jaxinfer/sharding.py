@@ -84,18 +84,7 @@ class MeshSpec:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
   """Raise unless `tp` splits this model's heads and FFN evenly (the reason named)."""
-  if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-    raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
-  for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                  ("intermediate_size", cfg.intermediate_size)):
-    if n % tp:
-      ok = [t for t in range(1, cfg.num_kv_heads + 1)
-            if not (cfg.num_heads % t or cfg.num_kv_heads % t or cfg.intermediate_size % t)]
-      raise ValueError(
-          f"tp={tp} does not divide {cfg.name}'s {name}={n}: each device would hold a "
-          f"fraction of a head or FFN column block; tp must divide num_heads="
-          f"{cfg.num_heads}, num_kv_heads={cfg.num_kv_heads} and intermediate_size="
-          f"{cfg.intermediate_size} (possible: {ok})")
+  cfg.check_tp(tp)
 
 
 def device_groups(spec: MeshSpec, devices: Optional[Sequence] = None):

@@ -346,3 +346,22 @@ def test_preemption_small(tmp_path):
     assert r["freed_at_abort"] == 0 and r["freed_after_step"] == r["pages"] > 0
     assert r["abort_return_ms"] < r["pages_free_after_ms"]
     assert _printed(out, str(r["pages"]), f"{r['abort_return_ms']:.3f}")
+
+
+def test_plan_tp_on_pcie_and_nvlink():
+  """Tensor parallel planning: splitting Qwen3-8B over more devices frees memory for KV
+  faster than linearly (weights split too) and the simulator runs each configuration;
+  the all-reduces take a larger share of a decode round over PCIe than over NVLink."""
+  rows = {}
+  for hw in ("rtx-pro-6000", "h200-sxm"):
+    d = _loads(_run("experiments.plan", "tp", f"--hardware={hw}", "--tp=1,2,4",
+                    "--num_requests=8", "--output_tokens=32", "--json"))
+    rows[hw] = {r["tp"]: r for r in d["rows"]}
+    kv = [rows[hw][t]["kv_capacity_tokens"] for t in (1, 2, 4)]
+    assert kv[1] > 2 * kv[0] and kv[2] > 2 * kv[1], kv
+    assert all(rows[hw][t]["makespan_s"] > 0 for t in (1, 2, 4))
+    assert rows[hw][1]["decode_comm_share"] == 0
+  assert rows["rtx-pro-6000"][4]["decode_comm_share"] > rows["h200-sxm"][4]["decode_comm_share"]
+  bad = subprocess.run([sys.executable, "-m", "experiments.plan", "tp", "--tp=3"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert bad.returncode != 0 and "possible: [1, 2, 4, 8]" in bad.stderr

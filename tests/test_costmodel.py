@@ -199,3 +199,26 @@ def test_calibration_passes_through_every_measured_point():
   # Between points the cached share moves MFU between the two curves, never past them.
   f = rm.costs.step_flops([(2048, 2048)] * 16)
   assert rm.calib.mfu_at(f, 0.0) > rm.calib.mfu_at(f, 0.5) > rm.calib.mfu_at(f, 0.75)
+
+
+def test_tensor_parallel_step_model():
+  """Each device reads and computes 1/tp of the step; every layer pays two all-reduces of
+  [T, D] over the device link. Decode (weight-bound, tiny messages) speeds up with tp on
+  NVLink; on PCIe the all-reduces take a larger share; a prefill's messages are T x D."""
+  h200 = {tp: RooflineStepModel.for_names("qwen3-8b", "h200-sxm", tp=tp) for tp in (1, 2, 4)}
+  pcie = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000", tp=4)
+  dec = [(1, 2048)] * 16
+  assert h200[1].comm_time(dec) == 0.0
+  assert h200[4].step_time(dec) < h200[2].step_time(dec) < h200[1].step_time(dec)
+  assert pcie.comm_time(dec) > h200[4].comm_time(dec)
+  # a 8192-token prefill on 4 devices: 72 all-reduces of 8192 x 4096 bf16 (64 MiB) each,
+  # 1.5 x 64 MiB through each device's link per all-reduce (ring: 2 (n - 1) / n)
+  pre = [(8192, 0)]
+  msg = 8192 * 4096 * 2
+  link = 64e9
+  expect = 72 * (1.5 * msg / link + 6 * 10e-6)
+  assert math.isclose(pcie.comm_time(pre), expect, rel_tol=1e-9)
+  with pytest.raises(ValueError, match="tp=3 does not divide qwen3-8b's num_heads=32"):
+    RooflineStepModel.for_names("qwen3-8b", "h200-sxm", tp=3)
+  with pytest.raises(ValueError, match="no device-to-device link"):
+    RooflineStepModel.for_names("qwen3-8b", "m2-max", tp=2)

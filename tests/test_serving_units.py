@@ -159,3 +159,42 @@ def test_a_dead_engine_loop_answers_every_request_it_holds():
   assert got["queued"][0] == "error" and svc.num_queued == 0
   with pytest.raises(RuntimeError, match="not running"):
     svc.submit([4], sp, deliver("late"))
+
+
+def test_engine_service_runs_a_data_parallel_router():
+  """The server's engine thread drives a router of two replicas (simulated): every
+  request finishes once, both replicas serve, and the metrics see every replica's steps
+  and pages."""
+  from jaxinfer.runtime.router import Router
+  from jaxinfer.serving.prom import ServerMetrics
+
+  def replica():
+    return Engine(SimExecutor(AffineStepModel(), num_pages=32, page_size=4),
+                  SchedulerConfig(policy="continuous", max_running=2),
+                  buckets=BucketTable.default(max_tokens=32, max_requests=2, max_pages=16))
+
+  router = Router([replica(), replica()], "round_robin")
+  metrics = ServerMetrics("sim")
+  svc = EngineService(router, max_queue=16, metrics=metrics).start()
+  done, finished = {}, threading.Event()
+
+  def deliver(rid):
+    def f(u):
+      if u.finish_reason is not None:
+        done[rid] = done.get(rid, []) + [u.finish_reason]
+        if len(done) == 6:
+          finished.set()
+    return f
+
+  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  for i in range(6):
+    svc.submit([1 + i, 2, 3], sp, deliver(i))
+  assert finished.wait(30), done
+  svc.shutdown()
+  assert done == {i: ["length"] for i in range(6)}
+  assert router.routed == [3, 3]
+  assert all(e.num_steps > 0 for e in router.replicas)
+  lab = {"model_name": "sim"}
+  get = metrics.registry.get_sample_value
+  assert get("jaxinfer:step_duration_seconds_count", lab) == router.num_steps
+  assert get("jaxinfer:kv_pages_free", lab) == 64  # both replicas' pools, all free again

@@ -173,3 +173,19 @@ def gpu_seconds(prompt_tokens: int, output_tokens: int, r_prefill: float, r_deco
 def goodput(correct_on_time: int, t_obs: float) -> float:
   """8.6.2: R_good = sum Q_i D_i / T_obs."""
   return correct_on_time / t_obs
+
+
+# --- tensor parallelism (beyond SPEC: jaxinfer/sharding.py's Megatron layout) ----------------
+def tp_allreduce_bytes(tokens: int, hidden: int, bytes_per_value: float) -> float:
+  """One of a layer's two all-reduces under tensor parallelism (after the attention
+  output projection and after the FFN's down projection): the [T, D] activations."""
+  return tokens * hidden * bytes_per_value
+
+
+def ring_allreduce_time(nbytes: float, devices: int, link_bandwidth: float,
+                        hop_latency_s: float = 0.0) -> float:
+  """A ring all-reduce of nbytes over `devices`: reduce-scatter then all-gather, each
+  device sending and receiving 2 (n - 1) / n x nbytes over its link, in 2 (n - 1) hops."""
+  if devices <= 1:
+    return 0.0
+  return 2 * (devices - 1) / devices * nbytes / link_bandwidth + 2 * (devices - 1) * hop_latency_s

@@ -21,6 +21,10 @@ class HardwareProfile:
   peak_tflops_f32: Optional[float] = None
   description: str = ""
   compute_dtype: str = "bfloat16"  # which peak a step runs against (CPUs here: float32)
+  # device-to-device link of tensor parallelism (per direction) and a per-hop latency
+  interconnect_gbs: Optional[float] = None
+  interconnect: str = ""
+  interconnect_latency_us: float = 0.0
 
   @property
   def bandwidth(self) -> float:
@@ -41,6 +45,14 @@ class HardwareProfile:
     if not self.host_link_gbs:
       raise ValueError(f"hardware {self.name!r} has no host link bandwidth in its profile")
     return self.host_link_gbs * 1e9
+
+
+  @property
+  def interconnect_bandwidth(self) -> float:
+    if not self.interconnect_gbs:
+      raise ValueError(f"hardware {self.name!r} has no device-to-device link in its profile "
+                       "(interconnect_gbs): tensor parallelism cannot be modelled on it")
+    return self.interconnect_gbs * 1e9
 
 
 def available() -> list:

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.config import ModelConfig, get_model_config
-from jaxinfer.costmodel.formulas import chunk_pairs
+from jaxinfer.costmodel.formulas import chunk_pairs, ring_allreduce_time, tp_allreduce_bytes
 from jaxinfer.costmodel.hardware import HardwareProfile, load_hardware
 from jaxinfer.kv import bytes_per_token
 
@@ -143,51 +143,72 @@ def load_calibration(hw: HardwareProfile, costs: ModelCosts,
 
 
 class RooflineStepModel:
-  """StepTimeModel for the simulator: max(compute time, memory time) per step."""
+  """StepTimeModel for the simulator: max(compute time, memory time) per step; with
+  tensor parallelism over `tp` devices, each device's share of the FLOPs and bytes plus
+  the layers' all-reduces over the hardware's device-to-device link."""
 
-  def __init__(self, costs: ModelCosts, hw: HardwareProfile, calib: Optional[Calibration] = None):
+  def __init__(self, costs: ModelCosts, hw: HardwareProfile, calib: Optional[Calibration] = None,
+               tp: int = 1):
+    costs.cfg.check_tp(tp)
+    if tp > 1 and not hw.interconnect_gbs:
+      raise ValueError(f"hardware {hw.name!r} has no device-to-device link in its profile "
+                       "(interconnect_gbs): tensor parallelism cannot be modelled on it")
     self.costs = costs
     self.hw = hw
     self.calib = calib
+    self.tp = tp
 
   @classmethod
   def for_names(cls, model: str, hardware: str, kv_format: str = "bf16", page_size: int = 16,
-                bytes_per_param: float = 2.0, calibration: Optional[str] = "auto"
-                ) -> "RooflineStepModel":
+                bytes_per_param: float = 2.0, calibration: Optional[str] = "auto",
+                tp: int = 1) -> "RooflineStepModel":
     """calibration: "auto" (the hardware's own table, else the RTX PRO 6000 table's
-    efficiencies as a stand-in, with a warning), a table path, or None (MBU = MFU = 1)."""
+    efficiencies as a stand-in, with a warning), a table path, or None (MBU = MFU = 1).
+    tp: devices of tensor parallelism (the one-device calibration read at each device's
+    share of the step)."""
     costs = ModelCosts(get_model_config(model), bytes_per_param, kv_format, page_size)
     hw = load_hardware(hardware)
     if calibration is None:
-      return cls(costs, hw, None)
+      return cls(costs, hw, None, tp)
     path = None if calibration == "auto" else calibration
     if calibration == "auto" and not os.path.isfile(os.path.join(CALIBRATION_DIR,
                                                                  f"{hw.name}.json")):
       path = os.path.join(CALIBRATION_DIR, "rtx-pro-6000.json")
       log.warning("no calibration table for %s: using the RTX PRO 6000 table's MBU/MFU", hw.name)
-    return cls(costs, hw, load_calibration(hw, costs, path))
+    return cls(costs, hw, load_calibration(hw, costs, path), tp)
 
   def compute_time(self, seqs, sampled=None) -> float:
-    f = self.costs.step_flops(seqs, sampled)
+    f = self.costs.step_flops(seqs, sampled) / self.tp  # heads, FFN columns, vocab split
     ctx = sum(c + h for c, h in seqs)
     mfu = self.calib.mfu_at(f, sum(h for _, h in seqs) / ctx if ctx else 0.0) \
         if self.calib else 1.0
     return f / (self.hw.peak_flops * mfu)
 
   def memory_time(self, seqs, shared_tokens: int = 0, sharing: Optional[int] = None) -> float:
-    b = self.costs.step_bytes(seqs, shared_tokens, sharing)
+    b = self.costs.step_bytes(seqs, shared_tokens, sharing) / self.tp  # weights, KV split
     mbu = self.calib.mbu_at(b) if self.calib else 1.0
     return b / (self.hw.bandwidth * mbu)
 
+  def comm_time(self, seqs) -> float:
+    """Tensor parallel: two all-reduces of the step's [T, D] activations per layer over
+    the device-to-device link (on the critical path: not overlapped with compute)."""
+    if self.tp == 1:
+      return 0.0
+    cfg = self.costs.cfg
+    msg = tp_allreduce_bytes(sum(c for c, _ in seqs), cfg.hidden_size, self.costs.bytes_per_param)
+    return 2 * cfg.num_layers * ring_allreduce_time(
+        msg, self.tp, self.hw.interconnect_bandwidth, self.hw.interconnect_latency_us * 1e-6)
+
   def step_time(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                 sharing: Optional[int] = None, logits_rows: Optional[int] = None) -> float:
-    """The one step cost of the planner and the simulator: max(compute, memory) time.
-    logits_rows: LM-head rows the step computes (a verify of m drafts: m + 1 per
-    request; a non-final prefill chunk: 0); one per request when None."""
+    """The one step cost of the planner and the simulator: max(compute, memory) time
+    (+ the all-reduces under tensor parallelism). logits_rows: LM-head rows the step
+    computes (a verify of m drafts: m + 1 per request; a non-final prefill chunk: 0); one
+    per request when None."""
     if not seqs:
       return 0.0
     return max(self.compute_time(seqs, logits_rows),
-               self.memory_time(seqs, shared_tokens, sharing))
+               self.memory_time(seqs, shared_tokens, sharing)) + self.comm_time(seqs)
 
   # 8.6.3 rates
   def decode_round(self, batch: int, context: int, shared_tokens: int = 0) -> float:
