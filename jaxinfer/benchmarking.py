@@ -151,3 +151,43 @@ def hf_prefill(model, n, repeats):
       model(input_ids=ids, use_cache=True)
       ts.append(time.perf_counter() - t)
   return float(np.median(ts[1:]))
+
+
+# --- llama.cpp (optional: tools/install_peers.sh builds llama-cpp-python) ---------------
+def llama_cpp_model(path: str, n_ctx: int):
+  """llama.cpp on the GGUF itself (its own quantized weights, all cores), or None when
+  llama-cpp-python is not installed."""
+  import importlib.util
+  import os
+  if importlib.util.find_spec("llama_cpp") is None:
+    logging.getLogger(__name__).info("llama.cpp peer skipped: run tools/install_peers.sh")
+    return None
+  from llama_cpp import Llama
+  return Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=os.cpu_count(),
+               verbose=False)
+
+
+def llama_cpp_decode_step(llm, context: int, repeats: int, steps: int = 16) -> float:
+  """Median seconds of llama.cpp's batch-1 decode step after `context` cached tokens:
+  the prompt evaluated once, then `steps` single-token evaluations timed, per repeat."""
+  ts = []
+  for r in range(repeats):
+    llm.reset()
+    llm.eval([100 + (7 * i + r) % 20000 for i in range(context)])
+    t = time.perf_counter()
+    for i in range(steps):
+      llm.eval([200 + i])
+    ts.append((time.perf_counter() - t) / steps)
+  return float(np.median(ts))
+
+
+def llama_cpp_prefill(llm, n: int, repeats: int) -> float:
+  """Median seconds of llama.cpp evaluating one n-token prompt from an empty context."""
+  ts = []
+  for r in range(repeats):
+    llm.reset()
+    ids = [100 + (11 * i + r) % 20000 for i in range(n)]
+    t = time.perf_counter()
+    llm.eval(ids)
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))

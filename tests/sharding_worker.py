@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-PROMPTS = [[(7 * i + 3 * j) % 997 + 1 for j in range(5 + 9 * i)] for i in range(5)]
-MAX_TOKENS = 8
+PROMPTS = [[(7 * i + 3 * j) % 997 + 1 for j in range(5 + 9 * i)] for i in range(3)]
+MAX_TOKENS = 6
 
 
 def tiny_qwen3():
@@ -31,7 +31,7 @@ def make_llm(m, mesh):
   from jaxinfer.buckets import BucketTable
   from jaxinfer.llm import LLM
   return LLM(m, mesh=mesh, num_pages=64, warmup=False,
-             buckets=BucketTable.default(max_tokens=64, max_requests=4, max_pages=8))
+             buckets=BucketTable.default(max_tokens=32, max_requests=4, max_pages=2))
 
 
 def greedy(llm, prompts=PROMPTS):
@@ -62,7 +62,7 @@ def run_tp() -> dict:
     pool = llm.executor.pool
     out["pool"][tp] = {"full": sum(a.nbytes for a in pool.values()),
                        "per_device": sharding.device_bytes(pool)}
-  for mesh in ("dp:2", "tp:2,dp:2"):
+  for mesh in ("dp:2",):
     llm = make_llm(m, mesh)
     out["tokens"][mesh] = greedy(llm)
     router = llm.engine

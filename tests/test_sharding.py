@@ -41,8 +41,8 @@ def tp_run():
 
 def test_tensor_parallel_tokens_equal_one_device(tp_run):
   ref = tp_run["tokens"]["tp:1"]
-  assert len(ref) == 5 and all(len(t) == 8 for t in ref)
-  for mesh in ("tp:2", "tp:4", "dp:2", "tp:2,dp:2"):
+  assert len(ref) == 3 and all(len(t) == 6 for t in ref)
+  for mesh in ("tp:2", "tp:4", "dp:2"):
     assert tp_run["tokens"][mesh] == ref, mesh
 
 
@@ -60,10 +60,10 @@ def test_warm_sharded_engine_never_recompiles(tp_run):
 
 
 def test_data_parallel_serves_each_request_once_on_its_own_devices(tp_run):
-  for mesh, groups in (("dp:2", [[0], [1]]), ("tp:2,dp:2", [[0, 1], [2, 3]])):
+  for mesh, groups in (("dp:2", [[0], [1]]),):
     served = tp_run["served"][mesh]
     ids = [i for rep in served for i in rep]
-    assert sorted(ids) == list(range(5)), (mesh, served)
+    assert sorted(ids) == list(range(3)), (mesh, served)
     assert all(served), f"{mesh}: a replica served nothing: {served}"
     assert tp_run["replica_devices"][mesh] == groups
 

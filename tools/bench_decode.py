@@ -37,6 +37,8 @@ flags.DEFINE_integer("prefill_context", 0, "cached tokens before each prefill ro
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
+flags.DEFINE_bool("llama_cpp", True, "run llama.cpp at batch 1 and in prefill in the same run "
+                  "(if llama-cpp-python is installed: tools/install_peers.sh)")
 flags.DEFINE_string("output_dir", "", "write bench_decode.json and bench_decode.png here")
 
 
@@ -66,6 +68,8 @@ def main(argv):
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
         f"{','.join(FLAGS.attention)}", flush=True)
   hf = bm.hf_model(m.source) if FLAGS.hf else None
+  lc = bm.llama_cpp_model(m.source, max(contexts + [int(x) for x in FLAGS.prefill_lens if x])
+                          + 64) if FLAGS.llama_cpp else None
   rates = {}
 
   def rate(rows, lm_rows):
@@ -87,9 +91,11 @@ def main(argv):
         seqs = [(1, ctx)] * B
         bw_floor = costs.step_bytes(seqs) / bw
         c_floor = costs.step_flops(seqs) / rate(B, B)
-        th = None
+        th = tl = None
         if hf is not None and kv_format == "f32":
           th = bm.hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
+        if lc is not None and kv_format == "f32" and B == 1:
+          tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for backend in FLAGS.attention:
           ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
@@ -99,7 +105,8 @@ def main(argv):
                "step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
                "compute_floor_ms": 1e3 * c_floor, "over_floor": t / max(bw_floor, c_floor),
                "hf_step_ms": None if th is None else 1e3 * th,
-               "over_hf": None if th is None else th / t}
+               "over_hf": None if th is None else th / t,
+               "llama_cpp_step_ms": None if tl is None else 1e3 * tl}
           rows.append(r)
           print(f"decode {backend} {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
                 f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
@@ -112,6 +119,8 @@ def main(argv):
     step, num_pages = bm.uniform_step(1, c0, n, ps, page_width=FLAGS.page_width)
     flops = costs.step_flops([(n, c0)])
     th = bm.hf_prefill(hf, n, max(2, FLAGS.repeats // 2)) if hf is not None and not c0 else None
+    tl = bm.llama_cpp_prefill(lc, n, max(2, FLAGS.repeats // 2)) if lc is not None and not c0 \
+        else None
     for backend in FLAGS.attention:
       ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
       t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
@@ -121,25 +130,31 @@ def main(argv):
                   "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
                   "compute_floor_ms": 1e3 * flops / rate(n, 1),
                   "hf_ms": None if th is None else 1e3 * th,
-                  "over_hf": None if th is None else th / t})
+                  "over_hf": None if th is None else th / t,
+                  "llama_cpp_ms": None if tl is None else 1e3 * tl})
 
   print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
         "'x HF' = HF step / ours")
   print(f"{'attention':>9} {'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} "
-        f"{'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6}")
+        f"{'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} {'llama.cpp':>9}")
   for r in rows:
     print(f"{r['attention']:>9} {r['kv_format']:>5} {r['batch']:>5} {r['context']:>5} "
           f"{r['step_ms']:>9.1f} "
           f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
-          f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
+          f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6} "
+          f"{_fmt(r['llama_cpp_step_ms']):>9}")
   for s in skipped:
     print(f"skipped (--max_pool_gib={FLAGS.max_pool_gib:g}): {s}")
   print("\nprefill, one request (ms)")
   print(f"{'attention':>9} {'tokens':>6} {'jaxinfer':>9} {'GFLOP/s':>8} {'of matmul rate':>14} "
-        f"{'cmp floor':>9} {'HF':>8} {'x HF':>6}")
+        f"{'cmp floor':>9} {'HF':>8} {'x HF':>6} {'llama.cpp':>9}")
   for r in pre:
-    print(f"{r['attention']:>9} {r['tokens']:>6} {r['ms']:>9.1f} {r['gflop_s']:>8.1f} {r['of_step_matmul_rate']:>14.2f} "
-          f"{r['compute_floor_ms']:>9.1f} {_fmt(r['hf_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6}")
+    print(f"{r['attention']:>9} {r['tokens']:>6} {r['ms']:>9.1f} {r['gflop_s']:>8.1f} "
+          f"{r['of_step_matmul_rate']:>14.2f} {r['compute_floor_ms']:>9.1f} "
+          f"{_fmt(r['hf_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6} {_fmt(r['llama_cpp_ms']):>9}")
+  if lc is not None:
+    print("llama.cpp runs the GGUF's own quantized weights (fewer bytes a step than the f32 "
+          "weights jaxinfer and HF read), batch 1 only")
 
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
