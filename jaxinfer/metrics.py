@@ -27,6 +27,9 @@ class StepRecord:
   drafted: int = 0
   accepted: int = 0
   emitted: int = 0
+  # host time of the step outside the device: scheduling and packing before dispatch,
+  # sampling bookkeeping, stop checks and events after the result arrived
+  host_s: float = 0.0
 
   @property
   def end(self) -> float:

@@ -34,6 +34,10 @@ flags.DEFINE_integer("page_width", 0, "pages per request of the steps' page tabl
                      "the context's; larger: a bucket wider than the context)")
 flags.DEFINE_integer("prefill_context", 0, "cached tokens before each prefill row (a later "
                      "chunk of a long prompt, or a prefix-cache hit)")
+flags.DEFINE_list("engine_batches", ["64"], "host time per step: LLM.generate of this many "
+                  "prompts (--engine_prompt tokens each, --engine_new_tokens out); empty: skip")
+flags.DEFINE_integer("engine_prompt", 128, "host time: prompt tokens")
+flags.DEFINE_integer("engine_new_tokens", 24, "host time: new tokens per prompt")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -156,13 +160,48 @@ def main(argv):
     print("llama.cpp runs the GGUF's own quantized weights (fewer bytes a step than the f32 "
           "weights jaxinfer and HF read), batch 1 only")
 
+  host = [_host_time(m, int(b)) for b in FLAGS.engine_batches if b]
+  if host:
+    print("\nhost time per engine step (LLM.generate; decode-only steps, median): scheduling "
+          "+ packing before dispatch, sampling bookkeeping + stop checks + events after")
+    print(f"{'batch':>5} {'steps':>5} {'step ms':>8} {'host ms':>8} {'host share':>10}")
+    for h in host:
+      print(f"{h['batch']:>5} {h['decode_steps']:>5} {h['step_ms']:>8.1f} {h['host_ms']:>8.2f} "
+            f"{h['host_share']:>10.3f}")
+
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9,
-           "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped}
+           "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped,
+           "host_time": host}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:
       strict_json.dump(out, f, indent=1)
     _figure(rows, os.path.join(FLAGS.output_dir, "bench_decode.png"))
+
+
+def _host_time(m, batch: int) -> dict:
+  """Host time per step of the real engine: `batch` prompts through LLM.generate (a first
+  run compiles, the second is measured); medians over the steps in which every request
+  decodes."""
+  import numpy as np
+  from jaxinfer import LLM
+  from jaxinfer.config import SamplingParams
+  n, new = FLAGS.engine_prompt, FLAGS.engine_new_tokens
+  llm = LLM(m, warmup=False, max_num_seqs=batch, max_num_batched_tokens=max(256, n),
+            num_pages=batch * (-(-(n + new) // 16)) + 16, attention=FLAGS.attention[0])
+  prompts = [[100 + (7 * i + j) % 20000 for j in range(n)] for i in range(batch)]
+  sp = SamplingParams(max_tokens=new, ignore_eos=True)
+  llm.generate(prompts, sp)
+  before = len(llm.engine.steps)
+  llm.generate(prompts, sp)
+  steps = [s for s in llm.engine.steps[before:]
+           if s.num_prefill_tokens == 0 and s.num_seqs == batch]
+  step_ms = 1e3 * float(np.median([s.duration for s in steps]))
+  host_ms = 1e3 * float(np.median([s.host_s for s in steps]))
+  print(f"host time batch {batch}: step {step_ms:.1f} ms, host {host_ms:.2f} ms",
+        file=sys.stderr, flush=True)
+  return {"batch": batch, "decode_steps": len(steps), "step_ms": step_ms, "host_ms": host_ms,
+          "host_share": host_ms / step_ms}
 
 
 def _figure(rows, path):

@@ -62,6 +62,7 @@ class InFlight:
   bucket: tuple
   padded: int
   draft_s: float = 0.0
+  host_s: float = 0.0  # host time before dispatch: scheduling and packing
 
 
 class Engine:
@@ -342,17 +343,18 @@ class Engine:
       t0 = time.perf_counter()
       self.speculator.draft(self.scheduler.running)
       draft_s = time.perf_counter() - t0
+    t_host = time.perf_counter()
     now = self.now()
     plan = self.scheduler.schedule(now)
     if plan.empty:
       return None
     try:
-      return self._launch_plan(plan, now, draft_s)
+      return self._launch_plan(plan, now, draft_s, t_host)
     except Exception as e:  # noqa: BLE001 -- any fault fails this step's requests only
       self._fail(plan, e, self._launching_step)
       return None
 
-  def _launch_plan(self, plan, now: float, draft_s: float) -> InFlight:
+  def _launch_plan(self, plan, now: float, draft_s: float, t_host: float) -> InFlight:
     self._launching_step = None
     ex = self.executor
     if plan.offloads:
@@ -385,11 +387,12 @@ class Engine:
       step.mask_fn = self._mask_fn(plan, b.num_logits)
     step_id = self._launching_step = self.pm.begin_step([s.request.request_id
                                                          for s in plan.seqs])
+    host_s = time.perf_counter() - t_host
     handle = ex.launch(step, plan)
     self._in_flight = InFlight(plan, handle, step_id, now,
                                (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len,
                                 b.prefill_slots),
-                               b.num_tokens - plan.num_tokens, draft_s)
+                               b.num_tokens - plan.num_tokens, draft_s, host_s)
     return self._in_flight
 
   def _mask_fn(self, plan: StepPlan, num_rows: int) -> Optional[Callable[[], np.ndarray]]:
@@ -422,6 +425,7 @@ class Engine:
     except Exception as e:  # noqa: BLE001 -- the step's requests fail, the engine serves on
       self._fail(f.plan, e, f.step_id)
       return self._take_failed()
+    t_post = time.perf_counter()
     if ex.virtual_clock:
       self._vclock = f.start + result.duration_s
     end = self.now()
@@ -454,12 +458,14 @@ class Engine:
                                  [(s.request.request_id, s.num_tokens, s.is_prefill)
                                   for s in f.plan.seqs], f.draft_s, drafted,
                                  max(emitted_n - len(emitted), 0) if drafted else 0, emitted_n))
+    record = self.steps[-1]
     events = []
     for r, n in emitted:
       for j in range(len(r.output_token_ids) - n, len(r.output_token_ids)):
         last = j == len(r.output_token_ids) - 1
         events.append(TokenEvent(r.request_id, r.output_token_ids[j], r.logprobs[j], end,
                                  r.state.done and last, r.finish_reason if last else None))
+    record.host_s = f.host_s + time.perf_counter() - t_post
     self._trim()
     return self._take_failed() + events
 
