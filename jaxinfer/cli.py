@@ -232,6 +232,10 @@ def _serve():
   buckets = _check_engine_flags()
   if not 0 <= FLAGS.port < 65536:
     _usage_error(f"--port must be in [0, 65535], got {FLAGS.port}")
+  import jax
+  if jax.process_count() > 1:  # every process would bind the port and take its own traffic
+    _usage_error("serve runs in one process (tp and dp over that process's devices); a "
+                 "multi-process job (--coordinator) runs generate")
   if FLAGS.max_queue < 1 or FLAGS.default_max_tokens < 1 or FLAGS.deadline_s < 0:
     _usage_error("--max_queue and --default_max_tokens must be >= 1, --deadline_s >= 0")
   t0 = time.perf_counter()

@@ -27,10 +27,10 @@ def tiny_qwen3():
   return LoadedModel(cfg, params, None, "random")
 
 
-def make_llm(m, mesh):
+def make_llm(m, mesh, attention="xla"):
   from jaxinfer.buckets import BucketTable
   from jaxinfer.llm import LLM
-  return LLM(m, mesh=mesh, num_pages=64, warmup=False,
+  return LLM(m, mesh=mesh, num_pages=64, warmup=False, attention=attention,
              buckets=BucketTable.default(max_tokens=32, max_requests=4, max_pages=2))
 
 
@@ -62,6 +62,7 @@ def run_tp() -> dict:
     pool = llm.executor.pool
     out["pool"][tp] = {"full": sum(a.nbytes for a in pool.values()),
                        "per_device": sharding.device_bytes(pool)}
+  out["tokens"]["tp:2 reference"] = greedy(make_llm(m, "tp:2", "reference"))
   for mesh in ("dp:2",):
     llm = make_llm(m, mesh)
     out["tokens"][mesh] = greedy(llm)

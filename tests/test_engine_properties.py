@@ -248,3 +248,21 @@ def test_the_real_run_checked_outputs_against_the_oracle():
     pytest.skip("run together with TestRealEngineProperties")
   print("real property run:", COUNTS)
   assert COUNTS.get("oracle_checked", 0) >= 10, COUNTS
+
+
+def test_every_step_records_its_host_time():
+  """StepRecord.host_s: the engine's own time around each step (scheduling and packing
+  before dispatch, bookkeeping after), measured on the host clock even on the simulator."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  eng = Engine(SimExecutor(AffineStepModel(), num_pages=64, page_size=4),
+               SchedulerConfig("chunked", 4, 16, 8),
+               buckets=BucketTable.default(max_tokens=16, max_requests=4, max_pages=16))
+  for i in range(4):
+    eng.add_request([1 + i] * (5 + 3 * i), SamplingParams(max_tokens=4, ignore_eos=True))
+  eng.run()
+  assert len(eng.steps) >= 4
+  assert all(0 < s.host_s < 1.0 for s in eng.steps), [s.host_s for s in eng.steps]

@@ -14,7 +14,6 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer import benchmarking as bm
 from jaxinfer import strict_json
@@ -26,8 +25,10 @@ flags.DEFINE_integer("matmul_n", 2048, "square matmul size for the FLOP/s test")
 flags.DEFINE_integer("repeats", 10, "timed repeats (median reported)")
 flags.DEFINE_bool("calibrate", False, "also time SmolLM2 decode / prefill steps and write "
                   "configs/calibration/local-cpu.json (MBU / MFU table)")
-flags.DEFINE_list("batches", ["1", "4", "16"], "calibration batch sizes")
-flags.DEFINE_integer("context", 512, "calibration decode context")
+flags.DEFINE_list("batches", ["1", "4", "16", "64"], "calibration decode batch sizes")
+flags.DEFINE_list("contexts", ["256", "1024", "4096"], "calibration decode contexts")
+flags.DEFINE_list("prefill_lens", ["64", "128", "256", "512"], "calibration prefill lengths")
+flags.DEFINE_float("max_pool_gib", 6.0, "calibration: skip decode points with a larger pool")
 
 
 def measure(read_mib=1024, matmul_n=2048, repeats=10) -> dict:
@@ -49,26 +50,67 @@ def _step_times(llm_model, batch, context, new_tokens, repeats):
   return bm.time_step(ex, step, repeats)
 
 
-def calibrate(prof, batches, context, repeats):
-  """Measured SmolLM2 f32 steps -> the local-cpu MBU / MFU table, and predicted vs
-  measured decode times (roofline floor and leave-one-out calibration)."""
+def calibrate(prof, batches, contexts, prefill_lens, repeats, max_pool_gib):
+  """Measured SmolLM2 f32 steps -> the local-cpu MBU / MFU table: decode at every
+  (batch, context) whose pool fits, prefills of one prompt of each length."""
   from jaxinfer.costmodel import ModelCosts
+  from jaxinfer.kv import bytes_per_token
   from jaxinfer.loading import load_model
   m = load_model("smollm2-135m-instruct")
   costs = ModelCosts(m.cfg, 4.0, "f32", 16)
+  kv_tok = bytes_per_token(m.cfg, "f32", 16)
   decode, prefill = [], []
-  for b in batches:
-    t = _step_times(m, b, context, 1, repeats)
-    decode.append({"batch": b, "context": context, "bytes": costs.step_bytes([(1, context)] * b),
-                   "round_ms": 1e3 * t})
-  for n in (64, 256):
+  for ctx in contexts:
+    for b in batches:
+      if b * (ctx + 17) * kv_tok / 2**30 > max_pool_gib:
+        continue
+      t = _step_times(m, b, ctx, 1, repeats)
+      decode.append({"batch": b, "context": ctx,
+                     "bytes": costs.step_bytes([(1, ctx)] * b), "round_ms": 1e3 * t})
+      print(f"decode batch {b} context {ctx}: {1e3 * t:.1f} ms", flush=True)
+  for n in prefill_lens:
     t = _step_times(m, 1, 0, n, max(3, repeats // 3))
     f = costs.step_flops([(n, 0)])
     prefill.append({"batch": 1, "input": n, "cached": 0, "seconds": t,
                     "mfu": f / (t * prof["peak_tflops_f32"] * 1e12)})
+    print(f"prefill {n}: {1e3 * t:.1f} ms", flush=True)
   return {"hardware": "local-cpu", "model": "smollm2-135m-instruct", "kv_format": "f32",
           "bytes_per_param": 4, "source": "tools/measure_hardware.py --calibrate",
-          "decode": decode, "prefill": prefill}
+          "measured_at": time.strftime("%Y-%m-%d"), "decode": decode, "prefill": prefill}
+
+
+def check_calibration(cal: dict) -> list:
+  """Each measured step against the roofline (local-cpu profile + this table), in sample
+  (the table passes through its points; compute may still bind) and leave-one-out (the
+  table without that point: how the model predicts a step it was not fitted on)."""
+  from jaxinfer.costmodel import RooflineStepModel
+  import json
+  import tempfile
+  rows = []
+  points = [("decode", i) for i in range(len(cal["decode"]))] + \
+           [("prefill", i) for i in range(len(cal["prefill"]))]
+  with tempfile.TemporaryDirectory() as d:
+    def model(table):
+      path = os.path.join(d, "cal.json")
+      with open(path, "w") as f:
+        json.dump(table, f)
+      return RooflineStepModel.for_names("smollm2-135m-instruct", "local-cpu", "f32", 16,
+                                         4.0, calibration=path)
+    full = model(cal)
+    for kind, i in points:
+      e = cal[kind][i]
+      rest = dict(cal, **{kind: [x for j, x in enumerate(cal[kind]) if j != i]})
+      if kind == "decode":
+        seqs, meas = [(1, e["context"])] * e["batch"], e["round_ms"] / 1e3
+        label = f"decode b{e['batch']} ctx {e['context']}"
+      else:
+        seqs, meas = [(e["input"], 0)], e["seconds"]
+        label = f"prefill {e['input']}"
+      loo = model(rest).step_time(seqs) if rest[kind] else None
+      rows.append({"point": label, "measured_ms": 1e3 * meas,
+                   "in_sample_ms": 1e3 * full.step_time(seqs),
+                   "leave_one_out_ms": None if loo is None else 1e3 * loo})
+  return rows
 
 
 def main(argv):
@@ -80,24 +122,19 @@ def main(argv):
     with open(FLAGS.output, "w") as f:
       strict_json.dump(prof, f, indent=1)
   if FLAGS.calibrate:
-    cal = calibrate(prof, [int(b) for b in FLAGS.batches], FLAGS.context, FLAGS.repeats)
-    bw = prof["memory_bandwidth_gbs"] * 1e9
-    print(f"{'batch':>5} {'bytes MB':>9} {'floor ms':>9} {'measured ms':>12} {'MBU':>6} "
-          f"{'leave-one-out ms':>17}")
-    dec = cal["decode"]
-    for i, e in enumerate(dec):
-      others = [x for j, x in enumerate(dec) if j != i]
-      mbus = [x["bytes"] / (bw * x["round_ms"] / 1e3) for x in others]
-      mbu_i = float(np.interp(e["bytes"], [x["bytes"] for x in others], mbus))
-      print(f"{e['batch']:>5} {e['bytes'] / 1e6:>9.0f} {1e3 * e['bytes'] / bw:>9.1f} "
-            f"{e['round_ms']:>12.1f} {e['bytes'] / (bw * e['round_ms'] / 1e3):>6.2f} "
-            f"{1e3 * e['bytes'] / (bw * mbu_i):>17.1f}")
-    for e in cal["prefill"]:
-      print(f"prefill {e['input']} tokens: {1e3 * e['seconds']:.1f} ms, MFU {e['mfu']:.2f}")
+    cal = calibrate(prof, [int(b) for b in FLAGS.batches], [int(c) for c in FLAGS.contexts],
+                    [int(n) for n in FLAGS.prefill_lens], FLAGS.repeats, FLAGS.max_pool_gib)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "calibration", "local-cpu.json")
     with open(path, "w") as f:
       strict_json.dump(cal, f, indent=1)
+    print(f"{'step':>24} {'measured ms':>12} {'model ms':>9} {'err':>6} {'leave-one-out':>14} "
+          f"{'err':>6}")
+    for r in check_calibration(cal):
+      m, a, b = r["measured_ms"], r["in_sample_ms"], r["leave_one_out_ms"]
+      print(f"{r['point']:>24} {m:>12.1f} {a:>9.1f} {a / m - 1:>+6.0%} "
+            f"{'-' if b is None else format(b, '.1f'):>14} "
+            f"{'-' if b is None else format(b / m - 1, '+.0%'):>6}")
 
 
 if __name__ == "__main__":
