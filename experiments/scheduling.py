@@ -41,7 +41,8 @@ def policy_config(policy: str, chunk: int, budget: int, max_running: int, cache_
 
 
 def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget: int,
-               max_running: int, step_model: str = "affine", hardware: str = "rtx-pro-6000"):
+               max_running: int, step_model: str = "affine", hardware: str = "rtx-pro-6000",
+               kv_format: str = "bf16", bytes_per_param: float = 2.0):
   """step_model: "affine" (8.2.2's fit of 8-1 at batch 1) or "roofline" (8.6.3's
   calibrated roofline of `model` on `hardware`)."""
   from jaxinfer.costmodel import RooflineStepModel
@@ -49,14 +50,14 @@ def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget
   from jaxinfer.kv import bytes_per_token
   cfg = get_model_config(model)
   page = 16
-  num_pages = int(kv_budget_gib * 2**30 // (bytes_per_token(cfg, "bf16") * page))
+  num_pages = int(kv_budget_gib * 2**30 // (bytes_per_token(cfg, kv_format) * page))
   if step_model not in ("affine", "roofline"):
     raise ValueError(f"step_model must be 'affine' or 'roofline', got {step_model!r}")
   sm = AffineStepModel() if step_model == "affine" else RooflineStepModel.for_names(
-      model, hardware, "bf16", page)
+      model, hardware, kv_format, page, bytes_per_param)
   ex = SimExecutor(sm, num_pages=num_pages, page_size=page)
   buckets = BucketTable.default(max_tokens=16384, max_requests=64, max_pages=4096)
-  return Engine(ex, policy_config(policy, chunk, budget, max_running, (cfg.name, "", "bf16")),
+  return Engine(ex, policy_config(policy, chunk, budget, max_running, (cfg.name, "", kv_format)),
                 buckets=buckets, max_model_len=cfg.max_position)
 
 
@@ -96,6 +97,10 @@ def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_runn
   if executor == "sim":
     return sim_engine(policy, c.sim_model, c.kv_budget_gib, chunk, budget, max_running,
                       step_model)
+  if executor == "sim_local":  # the real run's model and scaled trace on the local-cpu
+    # roofline (calibrated by tools/measure_hardware.py --calibrate)
+    return sim_engine(policy, c.model, c.kv_budget_gib, chunk, budget, max_running,
+                      "roofline", "local-cpu", "f32", 4.0)
   max_len = max(r["input_tokens"] + r["output_tokens"] for r in trace)
   return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
 
@@ -104,7 +109,8 @@ def replay_of(trace: List[Dict], executor: str, c, llm_model):
   """(trace, token scale, vocabulary): the real model replays the trace scaled down."""
   if executor == "sim":
     return trace, 1.0, get_model_config(c.sim_model).vocab_size
-  return scale(trace, c.token_scale, c.time_scale), c.token_scale, llm_model.cfg.vocab_size
+  return (scale(trace, c.token_scale, c.time_scale), c.token_scale,
+          get_model_config(c.model).vocab_size)
 
 
 def run_policies(executor: str, c, llm_model, prog) -> Dict:
@@ -208,6 +214,7 @@ def plot_sweep(rows: List[Dict], path: str) -> None:
     ax.set_xlabel("token budget (chapter scale; real model runs it x token_scale)")
     ax.set_ylabel("ms")
     ax.set_title({"sim": "simulated Qwen3-8B (8.2.2 step model)",
+                  "sim_local": "simulated SmolLM2 on local-cpu (scaled replay)",
                   "jax": "SmolLM2 on this CPU (scaled replay)"}[ex], fontsize=9)
     ax.legend(fontsize=8)
   fig.suptitle("8.2.4: six requests every 80 ms, chunked prefill, budget = chunk", fontsize=9)
@@ -225,6 +232,13 @@ def print_tables(res: Dict) -> None:
       per = "  ".join(f"r{q['request_id']}: {1e3 * q['ttft_s']:.1f}/{1e3 * q['finished_s']:.1f}"
                       for q in r["requests"])
       print(f"[{ex}] {p:>11} {r['makespan_ms']:>12.1f} {r['max_itl_ms']:>11.1f}  {per}")
+  ranks = {ex: sorted(pol, key=lambda p: pol[p]["makespan_ms"])
+           for ex, pol in res["policies"].items()}
+  for ex, order in ranks.items():
+    print(f"[{ex}] policies by makespan: {' < '.join(order)}")
+  if "jax" in ranks and "sim_local" in ranks:
+    same = ranks["jax"] == ranks["sim_local"]
+    print(f"real and simulated (local-cpu) rank the policies {'the same' if same else 'differently'}")
   if res["budget_sweep"]:
     c = res["config"]
     print(f"8.2.4 replay: {c['sweep_requests']} requests every {c['sweep_interval_ms']:g} ms "

@@ -7,7 +7,9 @@ import ml_collections
 
 def get_config(mode: str = ""):
   c = ml_collections.ConfigDict()
-  c.executors = ("sim", "jax")
+  # sim: Qwen3-8B on RTX PRO 6000 at the chapter's scale; sim_local: the real run's model
+  # and scaled trace on the local-cpu roofline; jax: the real engine on this CPU
+  c.executors = ("sim", "sim_local", "jax")
   c.json = False  # print the results as JSON instead of tables
   # 1. policies on the 8.2.2 trace
   c.workload = "ch8_2_2"  # or a JSON trace path
