@@ -42,9 +42,10 @@ def policy_config(policy: str, chunk: int, budget: int, max_running: int, cache_
 
 def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget: int,
                max_running: int, step_model: str = "affine", hardware: str = "rtx-pro-6000",
-               kv_format: str = "bf16", bytes_per_param: float = 2.0):
+               kv_format: str = "bf16", bytes_per_param: float = 2.0, buckets=None):
   """step_model: "affine" (8.2.2's fit of 8-1 at batch 1) or "roofline" (8.6.3's
-  calibrated roofline of `model` on `hardware`)."""
+  calibrated roofline of `model` on `hardware`). buckets: charge every step at its
+  bucket's shape (padding included), as the real engine runs it; default: exact shapes."""
   from jaxinfer.costmodel import RooflineStepModel
   from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
   from jaxinfer.kv import bytes_per_token
@@ -55,19 +56,28 @@ def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget
     raise ValueError(f"step_model must be 'affine' or 'roofline', got {step_model!r}")
   sm = AffineStepModel() if step_model == "affine" else RooflineStepModel.for_names(
       model, hardware, kv_format, page, bytes_per_param)
-  ex = SimExecutor(sm, num_pages=num_pages, page_size=page)
-  buckets = BucketTable.default(max_tokens=16384, max_requests=64, max_pages=4096)
+  ex = SimExecutor(sm, num_pages=num_pages, page_size=page, pad_to_buckets=buckets is not None)
+  buckets = buckets or BucketTable.default(max_tokens=16384, max_requests=64, max_pages=4096)
   return Engine(ex, policy_config(policy, chunk, budget, max_running, (cfg.name, "", kv_format)),
                 buckets=buckets, max_model_len=cfg.max_position)
 
 
+def real_buckets(policy: str, chunk: int, budget: int, max_running: int, max_len: int,
+                 max_prompt: int):
+  """The compiled shapes of the real run (and of its simulation, which charges each step
+  at its bucket): token sizes up to the largest step; a prefill slot's query length up to
+  the chunk, or for the unchunked policies the longest prompt (wider would pad every
+  prefill's attention to the whole step)."""
+  step = budget if policy == "chunked" else max_len * max_running
+  chunk = chunk if policy == "chunked" else max_prompt
+  return few_buckets(step, chunk, max_running, max_len), chunk
+
+
 def jax_engine(policy: str, llm_model, chunk: int, budget: int, max_running: int,
-               max_len: int):
+               max_len: int, max_prompt: int):
   """max_len: the trace's longest prompt + output (the page-table size)."""
   from jaxinfer.llm import LLM
-  step = budget if policy == "chunked" else max_len * max_running
-  chunk = chunk if policy == "chunked" else step
-  buckets = few_buckets(step, chunk, max_running, max_len)
+  buckets, chunk = real_buckets(policy, chunk, budget, max_running, max_len, max_prompt)
   llm = LLM(llm_model, warmup=False, num_pages=max_running * buckets.max_pages + 8, buckets=buckets,
             scheduler=policy_config(policy, chunk, budget, max_running, ("smollm2", "", "f32")))
   llm.engine.warmup()
@@ -97,12 +107,14 @@ def make_engine(executor: str, policy: str, c, chunk: int, budget: int, max_runn
   if executor == "sim":
     return sim_engine(policy, c.sim_model, c.kv_budget_gib, chunk, budget, max_running,
                       step_model)
-  if executor == "sim_local":  # the real run's model and scaled trace on the local-cpu
-    # roofline (calibrated by tools/measure_hardware.py --calibrate)
-    return sim_engine(policy, c.model, c.kv_budget_gib, chunk, budget, max_running,
-                      "roofline", "local-cpu", "f32", 4.0)
   max_len = max(r["input_tokens"] + r["output_tokens"] for r in trace)
-  return jax_engine(policy, llm_model, chunk, budget, max_running, max_len)
+  max_prompt = max(r["input_tokens"] for r in trace)
+  if executor == "sim_local":  # the real run's model, scaled trace and compiled shapes on
+    # the local-cpu roofline (calibrated by tools/measure_hardware.py --calibrate)
+    buckets, chunk = real_buckets(policy, chunk, budget, max_running, max_len, max_prompt)
+    return sim_engine(policy, c.model, c.kv_budget_gib, chunk, budget, max_running,
+                      "roofline", "local-cpu", "f32", 4.0, buckets=buckets)
+  return jax_engine(policy, llm_model, chunk, budget, max_running, max_len, max_prompt)
 
 
 def replay_of(trace: List[Dict], executor: str, c, llm_model):
