@@ -37,7 +37,7 @@ flags.DEFINE_integer("prefill_context", 0, "cached tokens before each prefill ro
 flags.DEFINE_list("engine_batches", ["64"], "host time per step: LLM.generate of this many "
                   "prompts (--engine_prompt tokens each, --engine_new_tokens out); empty: skip")
 flags.DEFINE_integer("engine_prompt", 128, "host time: prompt tokens")
-flags.DEFINE_integer("engine_new_tokens", 24, "host time: new tokens per prompt")
+flags.DEFINE_integer("engine_new_tokens", 32, "host time: new tokens per prompt")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -187,7 +187,7 @@ def _host_time(m, batch: int) -> dict:
   from jaxinfer import LLM
   from jaxinfer.config import SamplingParams
   n, new = FLAGS.engine_prompt, FLAGS.engine_new_tokens
-  llm = LLM(m, warmup=False, max_num_seqs=batch, max_num_batched_tokens=max(256, n),
+  llm = LLM(m, warmup=False, max_num_seqs=batch, max_num_batched_tokens=max(1024, n),
             num_pages=batch * (-(-(n + new) // 16)) + 16, attention=FLAGS.attention[0])
   prompts = [[100 + (7 * i + j) % 20000 for j in range(n)] for i in range(batch)]
   sp = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -196,6 +196,9 @@ def _host_time(m, batch: int) -> dict:
   llm.generate(prompts, sp)
   steps = [s for s in llm.engine.steps[before:]
            if s.num_prefill_tokens == 0 and s.num_seqs == batch]
+  if not steps:
+    raise app.UsageError(f"--engine_batches={batch}: no step had every request decoding (the "
+                         "prompts' prefill outlasted the answers): raise --engine_new_tokens")
   step_ms = 1e3 * float(np.median([s.duration for s in steps]))
   host_ms = 1e3 * float(np.median([s.host_s for s in steps]))
   print(f"host time batch {batch}: step {step_ms:.1f} ms, host {host_ms:.2f} ms",

@@ -12,7 +12,12 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   echo "activate the project's virtual environment first (. .venv/bin/activate)" >&2
   exit 2
 fi
-# GGML_NATIVE: compile for this machine's instruction set (AVX2 / AVX-512 where present).
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
-  pip install --no-binary llama-cpp-python "llama-cpp-python==${VERSION}"
+# its runtime dependencies first (numpy is the project's own); then the wheel itself, built
+# here and reinstalled even if another build is present
+pip install "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
+# AVX2-level kernels, not -march=native: on the development VM a native build enabled
+# AMX (the CPU reports it) and crashed with a segmentation fault at its first evaluation.
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}" \
+  pip install --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python \
+  "llama-cpp-python==${VERSION}"
 python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed')"
