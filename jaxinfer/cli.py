@@ -181,7 +181,11 @@ def _check_engine_flags():
   from jaxinfer import sharding
   try:  # before the first JAX call: a multi-process job joins here
     sharding.initialize_distributed(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    sharding.device_groups(sharding.MeshSpec.parse(FLAGS.mesh))
+    spec = sharding.MeshSpec.parse(FLAGS.mesh)
+    sharding.device_groups(spec)
+    from jaxinfer.config import MODEL_CONFIGS
+    if FLAGS.model in MODEL_CONFIGS:  # a known config: tp checked before the load
+      MODEL_CONFIGS[FLAGS.model].check_tp(spec.tp)
   except ValueError as e:
     _usage_error(str(e))
   if not FLAGS.buckets:

@@ -131,6 +131,10 @@ class LLM:
     if speculative == "draft_model" and self.mesh.devices > 1:
       raise ValueError("speculative='draft_model' runs the draft model on one device: not "
                        f"with mesh {self.mesh}")
+    if self.mesh.tp > 1 and ((offload is not None and offload.layers) or lora_adapters or
+                             max_loras):
+      raise ValueError(f"weight offload and LoRA adapters run on one device: not with mesh "
+                       f"{self.mesh} (tp > 1)")
     from jaxinfer.runtime.scheduler import POLICIES
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

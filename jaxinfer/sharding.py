@@ -152,11 +152,6 @@ def shard_params(params, cfg: ModelConfig, tp: TensorParallel):
   return jax.tree_util.tree_map(_put, params, param_shardings(cfg, tp, params))
 
 
-def shard_pool(pool, tp: TensorParallel):
-  sh = tp.pool_sharding()
-  return {k: _put(a, sh) for k, a in pool.items()}
-
-
 def device_bytes(tree) -> dict:
   """Bytes each device holds of a pytree of arrays (from the arrays' own shards)."""
   out = {}
@@ -183,7 +178,9 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
   except (TypeError, ValueError):
     raise ValueError(f"distributed: num_processes and process_id must be integers, got "
                      f"{n!r} and {i!r}") from None
-  if n < 1 or not 0 <= i < n:
+  if n < 1:
+    raise ValueError(f"distributed: num_processes must be >= 1, got {n}")
+  if not 0 <= i < n:
     raise ValueError(f"distributed: process_id must be in [0, {n}), got {i} "
                      f"(num_processes={n})")
   if not re.fullmatch(r"[^:\s]+:\d+", coordinator):
