@@ -218,9 +218,10 @@ def test_bench_decode_small(tmp_path):
   figure, and a combination over the pool cap listed as skipped, not silently dropped."""
   out = subprocess.run(
       [sys.executable, "tools/bench_decode.py", "--batch_sizes=1,2", "--contexts=16",
-       "--prefill_lens=16", "--repeats=1", "--hf=false", "--max_pool_gib=0.002",
-       f"--output_dir={tmp_path}"], capture_output=True, text=True, check=True,
-      timeout=600, cwd=ROOT).stdout
+       "--prefill_lens=16", "--repeats=1", "--hf=false", "--llama_cpp=false",
+       "--max_pool_gib=0.002", "--engine_batches=2", "--engine_prompt=16",
+       "--engine_new_tokens=8", f"--output_dir={tmp_path}"], capture_output=True, text=True,
+      check=True, timeout=600, cwd=ROOT).stdout
   d = _loads((tmp_path / "bench_decode.json").read_text())
   assert [(r["batch"], r["context"]) for r in d["decode"]] == [(1, 16)]
   assert d["skipped"] == [s for s in d["skipped"] if "batch 2 context 16" in s] != []
@@ -230,6 +231,23 @@ def test_bench_decode_small(tmp_path):
   assert r["step_ms"] > 0.8 * r["bandwidth_floor_ms"] > 0
   assert "skipped (--max_pool_gib" in out
   assert (tmp_path / "bench_decode.png").stat().st_size > 5_000
+  h = d["host_time"][0]  # two requests decoding together: host time is a small share
+  assert h["batch"] == 2 and h["decode_steps"] >= 5 and 0 < h["host_ms"] < h["step_ms"]
+
+
+@pytest.mark.slow
+def test_profile_step_small(tmp_path):
+  """tools/profile_step.py: a trace of a tiny decode step summed by XLA op family; the
+  weight matmuls are among the families and the families account for real time."""
+  out = subprocess.run(
+      [sys.executable, "tools/profile_step.py", "--batch=2", "--context=16", "--steps=2",
+       f"--output_dir={tmp_path}"], capture_output=True, text=True, check=True,
+      timeout=600, cwd=ROOT).stdout
+  d = _loads((tmp_path / "profile_step.json").read_text())
+  fams = {f["family"]: f["ms_per_step"] for f in d["families"]}
+  assert any(k.startswith(("ynn_fusion", "dot", "xnn_fusion")) for k in fams), fams
+  assert d["op_ms"] > 0.2 * d["step_ms"] > 0
+  assert "op family" in out
 
 
 @pytest.mark.slow

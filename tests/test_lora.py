@@ -272,18 +272,31 @@ def test_plan_lora_prints_adapter_bytes_next_to_the_model(tmp_path):
   assert ms == sorted(ms) and ms[0] > got["round_ms_base"]
 
 
-def test_cli_serves_an_adapter_and_checks_lora_flags_before_loading(lora_llm, adapters):
-  import subprocess
+def _cli_cmd():
   import sys
+  return [sys.executable, "-m", "jaxinfer", "generate", "--warmup=false", "--max_tokens=6",
+          "--prompt=" + PROMPTS[0], "--json", "--max_num_seqs=4",
+          "--max_num_batched_tokens=32", "--num_pages=256"]
+
+
+def test_cli_checks_lora_flags_before_loading(adapters):
+  import subprocess
   from experiments.common import ROOT
-  cmd = [sys.executable, "-m", "jaxinfer", "generate", "--warmup=false", "--max_tokens=6",
-         "--prompt=" + PROMPTS[0], "--json", "--max_num_seqs=4",
-         "--max_num_batched_tokens=32", "--num_pages=256"]
+  cmd = _cli_cmd()
   for bad, msg in ((["--lora=A"], "expected NAME=PEFT_DIR"),
                    ([f"--lora=A={adapters['A']}", "--lora_name=B"], "no such --lora"),
                    (["--lora=A=/nonexistent"], "is not a directory")):
     p = subprocess.run(cmd + bad, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and msg in p.stderr, p.stderr
+
+
+# The server's adapter test (test_server.py) covers serving an adapter by name in the
+# default suite; the CLI's own generate under an adapter loads and compiles SmolLM2 again.
+@pytest.mark.slow
+def test_cli_generates_under_an_adapter(lora_llm, adapters):
+  import subprocess
+  from experiments.common import ROOT
+  cmd = _cli_cmd()
   p = subprocess.run(cmd + [f"--lora=A={adapters['A']}", f"--lora=B={adapters['B']}",
                             "--lora_name=B"], cwd=ROOT, capture_output=True, text=True,
                      timeout=300)

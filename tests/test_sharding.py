@@ -31,12 +31,65 @@ def _last_json(text: str) -> dict:
   return json.loads(text.strip().splitlines()[-1])
 
 
+def _free_port() -> int:
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  port = s.getsockname()[1]
+  s.close()
+  return port
+
+
+class _Job:
+  """A subprocess whose output goes to files (no pipe to fill up while another job is
+  awaited)."""
+
+  def __init__(self, args, env, tmp):
+    self.out = open(tmp / f"job{id(self)}.out", "w+")
+    self.err = open(tmp / f"job{id(self)}.err", "w+")
+    self.proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self.out, stderr=self.err,
+                                 text=True)
+
+  def result(self, timeout=600):
+    """(stdout, the last JSON line of it); fails the test with stderr's tail on an error."""
+    rc = self.proc.wait(timeout=timeout)
+    self.out.seek(0)
+    self.err.seek(0)
+    out, err = self.out.read(), self.err.read()
+    assert rc == 0, err[-3000:]
+    return out, _last_json(out)
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+    self.out.close()
+    self.err.close()
+
+
 @pytest.fixture(scope="module")
-def tp_run():
-  p = subprocess.run([sys.executable, WORKER, "tp"], env=_env(8), capture_output=True,
-                     text=True, timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  return _last_json(p.stdout)
+def jobs(tmp_path_factory):
+  """Every multi-device subprocess of this module, started at once: each mostly compiles
+  on one core, so on two cores they take about half the time one after another would."""
+  tmp = tmp_path_factory.mktemp("sharding")
+  port = _free_port()
+  started = {
+      "tp": _Job([sys.executable, WORKER, "tp"], _env(8), tmp),
+      "dist0": _Job([sys.executable, WORKER, "dist", str(port), "0"], _env(1), tmp),
+      "dist1": _Job([sys.executable, WORKER, "dist", str(port), "1"], _env(1), tmp),
+      "cli_tp3": _Job([sys.executable, "-m", "jaxinfer", "generate", "--mesh=tp:3", "--json",
+                       "--nowarmup", "--max_tokens=6", f"--prompt={CLI_PROMPT}"], _env(3), tmp),
+  }
+  yield started
+  for j in started.values():
+    j.close()
+
+
+CLI_PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tp_run(jobs):
+  return jobs["tp"].result()[1]
 
 
 def test_tensor_parallel_tokens_equal_one_device(tp_run):
@@ -68,44 +121,18 @@ def test_data_parallel_serves_each_request_once_on_its_own_devices(tp_run):
     assert tp_run["replica_devices"][mesh] == groups
 
 
-def _free_port() -> int:
-  s = socket.socket()
-  s.bind(("127.0.0.1", 0))
-  port = s.getsockname()[1]
-  s.close()
-  return port
-
-
-def test_two_processes_jax_distributed_tp2(tp_run):
-  port = _free_port()
-  procs = [subprocess.Popen([sys.executable, WORKER, "dist", str(port), str(i)], env=_env(1),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=300)
-      assert p.returncode == 0, err[-3000:]
-      outs.append(_last_json(out))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+def test_two_processes_jax_distributed_tp2(jobs, tp_run):
+  outs = [jobs[f"dist{i}"].result(timeout=300)[1] for i in range(2)]
   for i, o in enumerate(outs):
     assert o["process"] == i and o["processes"] == 2 and len(o["devices"]) == 2
     assert len(o["pool_local_bytes"]) == 1  # each process holds its own half of the KV
     assert o["tokens"] == tp_run["tokens"]["tp:1"]
 
 
-def test_cli_generate_tp3_on_smollm2_matches_recompute(smollm2):
+def test_cli_generate_tp3_on_smollm2_matches_recompute(jobs, smollm2):
   from helpers import recompute_greedy
-  prompt = "The capital of France is"
-  p = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--mesh=tp:3", "--json",
-                      "--nowarmup", "--max_tokens=6", f"--prompt={prompt}"], env=_env(3),
-                     capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert p.returncode == 0, p.stderr[-3000:]
-  out = _last_json(p.stdout)
-  ids = smollm2.tokenizer.encode(prompt)
+  out = jobs["cli_tp3"].result()[1]
+  ids = smollm2.tokenizer.encode(CLI_PROMPT)
   assert out["prompt_token_ids"] == ids
   assert out["token_ids"] == recompute_greedy(smollm2.cfg, smollm2.params, ids, 6)
 
