@@ -173,3 +173,28 @@ def test_prefix_routing_keeps_sessions_on_their_replica():
   assert res["prefix"]["hit_fraction"] > res["round_robin"]["hit_fraction"] + 0.05, res
   with pytest.raises(ValueError, match="routing must be one of"):
     Router([sim_engine(1.0, 0)], "random")
+
+
+def test_router_ids_aborts_and_balance():
+  """Global request ids across replicas (a duplicate is refused before anything changes),
+  aborts reach the owning replica, and a replica loaded past the threshold stops getting
+  prefix matches."""
+  from experiments.prefix_reuse import sim_engine
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.runtime.router import Router
+  router = Router([sim_engine(1.0, 0) for _ in range(2)], "prefix", balance_threshold=1)
+  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  shared = list(range(100, 164))  # four pages of 16 tokens
+  a = router.add_request(shared + [1], sp)
+  b = router.add_request(shared + [2], sp)  # same prefix: same replica as a
+  assert router.replica_of(a.request_id) == router.replica_of(b.request_id)
+  c = router.add_request(shared + [3], sp)  # loads 2 vs 0 > threshold 1: the other one
+  assert router.replica_of(c.request_id) != router.replica_of(a.request_id)
+  with pytest.raises(ValueError, match="already in use"):
+    router.add_request([5, 6], sp, request_id=a.request_id)
+  assert sum(router.routed) == 3
+  assert router.abort(b.request_id) and b.finish_reason == "abort"
+  assert not router.abort("no-such-id")
+  router.run()
+  assert a.finish_reason == "length" and c.finish_reason == "length"
+  assert not router.has_unfinished() and router.num_steps == len(router.steps) > 0
