@@ -250,7 +250,8 @@ def print_tables(res: Dict) -> None:
     print(f"[{ex}] policies by makespan: {' < '.join(order)}")
   if "jax" in ranks and "sim_local" in ranks:
     same = ranks["jax"] == ranks["sim_local"]
-    print(f"real and simulated (local-cpu) rank the policies {'the same' if same else 'differently'}")
+    print("real and simulated (local-cpu) rank the policies "
+          f"{'the same' if same else 'differently'}")
   if res["budget_sweep"]:
     c = res["config"]
     print(f"8.2.4 replay: {c['sweep_requests']} requests every {c['sweep_interval_ms']:g} ms "
