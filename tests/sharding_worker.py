@@ -29,10 +29,10 @@ def tiny_qwen3():
   return LoadedModel(cfg, params, None, "random")
 
 
-def make_llm(m, mesh, attention="xla"):
+def make_llm(m, mesh, attention="xla", **kw):
   from jaxinfer.buckets import BucketTable
   from jaxinfer.llm import LLM
-  return LLM(m, mesh=mesh, num_pages=64, warmup=False, attention=attention,
+  return LLM(m, mesh=mesh, num_pages=64, warmup=False, attention=attention, **kw,
              buckets=BucketTable.default(max_tokens=32, max_requests=4, max_pages=2))
 
 
@@ -65,6 +65,10 @@ def run_tp() -> dict:
     out["pool"][tp] = {"full": sum(a.nbytes for a in pool.values()),
                        "per_device": sharding.device_bytes(pool)}
   out["tokens"]["tp:2 reference"] = greedy(make_llm(m, "tp:2", "reference"))
+  # early-exit drafts (the first layer, its own sharded draft step) verified under tp
+  spec = make_llm(m, "tp:2", speculative="early_exit", early_exit_layers=1, num_draft=3)
+  out["tokens"]["tp:2 early_exit"] = greedy(spec)
+  out["spec_rounds"] = sum(r.spec_rounds for r in spec.engine.requests.values())
   for mesh in ("dp:2",):
     llm = make_llm(m, mesh)
     out["tokens"][mesh] = greedy(llm)

@@ -95,8 +95,10 @@ def tp_run(jobs):
 def test_tensor_parallel_tokens_equal_one_device(tp_run):
   ref = tp_run["tokens"]["tp:1"]
   assert len(ref) == 3 and all(len(t) == 6 for t in ref)
-  for mesh in ("tp:2", "tp:4", "dp:2", "tp:2 reference"):  # both CPU attention backends
+  # both CPU attention backends; speculative decoding's draft and verify steps sharded
+  for mesh in ("tp:2", "tp:4", "dp:2", "tp:2 reference", "tp:2 early_exit"):
     assert tp_run["tokens"][mesh] == ref, mesh
+  assert tp_run["spec_rounds"] > 0
 
 
 def test_each_device_holds_its_share(tp_run):
