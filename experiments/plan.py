@@ -389,8 +389,8 @@ def _simulate(rm, num_pages: int, requests: int, input_tokens: int, output_token
   from jaxinfer.runtime.scheduler import SchedulerConfig
   eng = Engine(SimExecutor(rm, num_pages=num_pages, page_size=FLAGS.page_size),
                SchedulerConfig("chunked", min(requests, 256), 8192, 8192),
-               buckets=BucketTable.default(8192, 256, -(-(input_tokens + output_tokens) //
-                                                       FLAGS.page_size)))
+               buckets=BucketTable.default(8192, 256, accounting.pages_for(
+                   input_tokens + output_tokens, FLAGS.page_size)))
   sp = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
   reqs = [eng.add_request([7] * input_tokens, sp, arrival_time=0.0) for _ in range(requests)]
   eng.run()
@@ -424,7 +424,7 @@ def cmd_tp():
     pre, pre_comm = rm.step_time(pre_seqs), rm.comm_time(pre_seqs)
     kv_bytes = tp * FLAGS.memory_utilization * hw.memory_gb * 1e9 - c.weight_bytes
     kv_tokens = max(int(kv_bytes // c.kv_bytes_per_token), 0)
-    per_req = -(-(FLAGS.input_tokens + FLAGS.output_tokens) // FLAGS.page_size)
+    per_req = accounting.pages_for(FLAGS.input_tokens + FLAGS.output_tokens, FLAGS.page_size)
     pages = kv_tokens // FLAGS.page_size
     row = {"tp": tp, "link": hw.interconnect if tp > 1 else "-",
            "weights_per_device_gib": c.weight_bytes / tp / 2**30,

@@ -131,10 +131,8 @@ class LLM:
     if speculative == "draft_model" and self.mesh.devices > 1:
       raise ValueError("speculative='draft_model' runs the draft model on one device: not "
                        f"with mesh {self.mesh}")
-    if self.mesh.tp > 1 and ((offload is not None and offload.layers) or lora_adapters or
-                             max_loras):
-      raise ValueError(f"weight offload and LoRA adapters run on one device: not with mesh "
-                       f"{self.mesh} (tp > 1)")
+    sharding.check_single_device_features(self.mesh.tp, self.mesh.dp > 1, offload,
+                                          bool(lora_adapters or max_loras))
     from jaxinfer.runtime.scheduler import POLICIES
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -162,7 +160,7 @@ class LLM:
     self.model = model if isinstance(model, LoadedModel) else load_model(
         model, dtype, scan_layers=scan_layers)
     self.cfg = self.model.cfg
-    sharding.check_tp(self.cfg, self.mesh.tp)
+    self.cfg.check_tp(self.mesh.tp)
     self.tokenizer = self.model.tokenizer
     self.max_model_len = min(max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(

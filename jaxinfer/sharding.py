@@ -82,9 +82,16 @@ class MeshSpec:
     return f"tp:{self.tp},dp:{self.dp}"
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-  """Raise unless `tp` splits this model's heads and FFN evenly (the reason named)."""
-  cfg.check_tp(tp)
+def check_single_device_features(tp: int, other_device: bool, offload=None,
+                                 lora: bool = False) -> None:
+  """Raise for what runs on the first device only: weight offload (it streams to that
+  device) with tp > 1 or on another device, LoRA slots with tp > 1. Checked by the LLM
+  before the model loads (other_device: dp > 1) and by each executor for itself."""
+  if offload is not None and offload.layers and (tp > 1 or other_device):
+    where = f"tp={tp}" if tp > 1 else "a data-parallel replica on another device"
+    raise ValueError(f"weight offload streams to the first device only: not with {where}")
+  if lora and tp > 1:
+    raise ValueError(f"LoRA adapters run on one device: not with tp={tp}")
 
 
 def device_groups(spec: MeshSpec, devices: Optional[Sequence] = None):
@@ -122,7 +129,7 @@ class TensorParallel:
 
 
 def make_tp(cfg: ModelConfig, devices: Sequence) -> TensorParallel:
-  check_tp(cfg, len(devices))
+  cfg.check_tp(len(devices))
   split_vocab = cfg.vocab_size % len(devices) == 0
   if not split_vocab:
     log.info("vocab %d is not divisible by tp=%d: the embedding and LM head are replicated",

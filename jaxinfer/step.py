@@ -118,8 +118,8 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
   rewrites every layer there). Returns greedy draft tokens [S] and the pool."""
   x, ks, vs = transformer.hidden_states(params, pool, inputs, cfg, attn_shape=attn_shape,
                                         backend=backend, num_layers=num_layers)
-  from jaxinfer.attention import write_kv
-  pool = write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"], backend)
+  pool = attention.write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"],
+                           backend)
   logits = transformer.lm_head(params, x[inputs["logits_idx"]])
   return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
 

@@ -146,9 +146,9 @@ def test_mesh_spec_and_tp_checks():
     with pytest.raises(ValueError, match="mesh"):
       sharding.MeshSpec.parse(bad)
   smol = MODEL_CONFIGS["smollm2-135m-instruct"]
-  sharding.check_tp(smol, 3)
+  smol.check_tp(3)
   with pytest.raises(ValueError, match=r"tp=2 does not divide .*num_heads=9.*possible: \[1, 3\]"):
-    sharding.check_tp(smol, 2)
+    smol.check_tp(2)
   with pytest.raises(ValueError, match="needs 4 devices, 1 are visible"):
     sharding.device_groups(sharding.MeshSpec(2, 2))
 

@@ -62,12 +62,11 @@ class JaxExecutor:
     enable_compilation_cache()
     self.tp = None
     self.devices = list(devices) if devices else [jax.devices()[0]]
+    from jaxinfer import sharding
+    sharding.check_single_device_features(len(self.devices),
+                                          self.devices[0] != jax.devices()[0], offload,
+                                          bool(max_loras))
     if len(self.devices) > 1:
-      if offload is not None and offload.layers:
-        raise ValueError("weight offload runs on one device: not with tensor parallelism")
-      if max_loras:
-        raise ValueError("LoRA adapters run on one device: not with tensor parallelism")
-      from jaxinfer import sharding
       self.tp = sharding.make_tp(cfg, self.devices)
       self.backend = self.backend._replace(tp=self.tp)
       self.params = sharding.shard_params(params, cfg, self.tp)
@@ -80,8 +79,6 @@ class JaxExecutor:
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self.streamer = None
-    if offload is not None and offload.layers and self.devices[0] != jax.devices()[0]:
-      raise ValueError("weight offload streams to the first device only")
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
       bpp = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize

@@ -20,6 +20,9 @@ import hashlib
 import itertools
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
+from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
 
 ROUTING = ("prefix", "round_robin")
@@ -34,11 +37,12 @@ class _PrefixIndex:
     self.seen: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
 
   def _hashes(self, ids: Sequence[int]):
+    """A chained hash per whole page of `ids` (validated token ids)."""
     h = hashlib.blake2b(digest_size=16)
-    ps = self.page_size
-    for i in range(len(ids) // ps):
-      h.update(b"".join(int(t).to_bytes(4, "little", signed=True)
-                        for t in ids[i * ps:(i + 1) * ps]))
+    raw = np.asarray(ids, np.int32).tobytes()
+    step = 4 * self.page_size
+    for i in range(len(ids) // self.page_size):
+      h.update(raw[i * step:(i + 1) * step])
       yield h.copy().digest()
 
   def match(self, ids: Sequence[int]) -> int:
@@ -76,7 +80,6 @@ class Router:
     self.tokenizer = self.replicas[0].tokenizer
     self._index = [_PrefixIndex(e.pm.page_size) for e in self.replicas]
     self._rr = itertools.cycle(range(len(self.replicas)))
-    self._owner: Dict[object, int] = {}  # request id -> replica
     self._next_id = 0
     self.steps: List = []  # every replica's step records, in the order they finished
     self.max_step_records = self.replicas[0].max_step_records
@@ -99,7 +102,8 @@ class Router:
 
   def load(self, i: int) -> int:
     """Unfinished requests of replica i (running and waiting)."""
-    return sum(1 for r in self.replicas[i].requests.values() if not r.state.done)
+    s = self.replicas[i].scheduler
+    return len(s.running) + len(s.waiting)
 
   def route(self, ids: Sequence[int]) -> int:
     """The replica a request with prompt `ids` goes to (changes nothing)."""
@@ -115,33 +119,36 @@ class Router:
     return best if hits[best] > 0 else least
 
   def add_request(self, prompt_token_ids, sampling=None, *, request_id=None, **kw):
-    ids = list(prompt_token_ids)
+    """Validated before anything changes (the routing index hashes checked ids); an id is
+    in use while a replica retains its request, as on one engine."""
+    ids = self.validate_request(prompt_token_ids, sampling or SamplingParams())
     if request_id is None:
-      while self._next_id in self._owner:
+      while self.replica_of(self._next_id) is not None:
         self._next_id += 1
       request_id = self._next_id
       self._next_id += 1
-    if request_id in self._owner:
+    if self.replica_of(request_id) is not None:
       raise ValueError(f"request id {request_id!r} is already in use")
     i = self.route(ids)
     r = self.replicas[i].add_request(ids, sampling, request_id=request_id, **kw)
-    self._owner[request_id] = i
     self._index[i].insert(ids)
     self.routed[i] += 1
     return r
 
   def replica_of(self, request_id) -> Optional[int]:
-    return self._owner.get(request_id)
+    """The replica holding `request_id` (None: unknown, or no longer retained)."""
+    return next((i for i, e in enumerate(self.replicas) if request_id in e.requests), None)
 
   def abort(self, request_id) -> bool:
-    i = self._owner.get(request_id)
+    i = self.replica_of(request_id)
     return False if i is None else self.replicas[i].abort(request_id)
 
   def abort_requests(self, request_ids) -> None:
     by = collections.defaultdict(list)
     for rid in request_ids:
-      if rid in self._owner:
-        by[self._owner[rid]].append(rid)
+      i = self.replica_of(rid)
+      if i is not None:
+        by[i].append(rid)
     for i, e in enumerate(self.replicas):  # each finishes its step in flight, if any
       e.abort_requests(by.get(i, []))
 
