@@ -1,12 +1,16 @@
 """The XLA:CPU attention backend (pallas_kernels/paged_attention/xla.py) against the jnp
 reference, on NaN-poisoned pools: every KV format, GQA ratios, page sizes, decode-only and
-mixed steps, contexts spanning many page blocks, padding slots, Q precision."""
+mixed steps, contexts spanning many page blocks, padding slots, Q precision. Decode slots
+run both ways each time: XLA ops, and the native CPU custom call (cpu_decode.cc)."""
 import jax
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import reference, xla
+from pallas_kernels.paged_attention import cpu_native, reference, xla
 from test_pallas_attention import FORMATS, MIXES, make_case
+
+# The machines this runs on have a C++ compiler: a failed build must fail here, not hide.
+NATIVE = (False, True)
 
 LONG = [[(300, 1), (0, 1), (129, 1), (64, 1)],  # many blocks; lengths on block edges
         [(200, 1), (31, 1), (50, 20)]]
@@ -17,13 +21,15 @@ def _check(args, reqs, block_pages, q_precision="native"):
   Q = max(n for _, n in reqs)
   ref = reference.ragged_paged_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
                                          q_precision=q_precision)
-  out = jax.jit(lambda *a: xla.ragged_paged_attention(
-      *a, max_query_len=Q, num_prefill_slots=n_pre, q_precision=q_precision,
-      block_pages=block_pages))(*args)
-  ref, out = np.asarray(ref), np.asarray(out)
-  assert np.isfinite(out).all(), "a stale NaN page leaked into the output"
-  err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-  assert err < 1e-5, (reqs, block_pages, err)
+  ref = np.asarray(ref)
+  for native in NATIVE:
+    out = jax.jit(lambda *a: xla.ragged_paged_attention(
+        *a, max_query_len=Q, num_prefill_slots=n_pre, q_precision=q_precision,
+        block_pages=block_pages, native=native))(*args)
+    out = np.asarray(out)
+    assert np.isfinite(out).all(), f"a stale NaN page leaked into the output ({native=})"
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < 1e-5, (reqs, block_pages, native, err)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -34,14 +40,17 @@ def test_xla_matches_reference(fmt):
   _check(make_case(rng, fmt, 8, 9, 3, 64, reqs), reqs, block_pages=2)
 
 
-@pytest.mark.parametrize("page_size,block_pages,heads,kv_heads",
-                         [(16, 1, 4, 4), (16, 3, 8, 1), (64, 8, 9, 3)])
-def test_block_sizes_and_page_sizes(page_size, block_pages, heads, kv_heads):
+@pytest.mark.parametrize("page_size,block_pages,heads,kv_heads,head_dim",
+                         [(16, 1, 4, 4, 64), (16, 3, 8, 1, 64), (64, 8, 9, 3, 64),
+                          (8, 2, 12, 1, 48), (16, 2, 8, 2, 128)])
+def test_block_sizes_and_page_sizes(page_size, block_pages, heads, kv_heads, head_dim):
   """Block counts that do not divide the page table, one-page blocks, one block for all;
-  MHA, GQA 8:1 and 3:1."""
+  MHA, GQA 8:1, 3:1, 12:1 and 4:1; head_dim 64 and 128 (the native call's specialised
+  shapes) and 48 (its generic one)."""
   rng = np.random.default_rng()
   for reqs in LONG[:1] + MIXES[:1]:
-    _check(make_case(rng, "f32", page_size, heads, kv_heads, 64, reqs), reqs, block_pages)
+    _check(make_case(rng, "f32", page_size, heads, kv_heads, head_dim, reqs), reqs,
+           block_pages)
 
 
 def test_padding_slots_and_q_precision():

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
-from pallas_kernels.paged_attention import common, reference
+from pallas_kernels.paged_attention import common, cpu_native, reference
 
 _NEG = -1e30
 # Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
@@ -92,10 +92,35 @@ def _gather_block(pool, fmt, layer, page_ids, dtype):
   return out[0], out[1]
 
 
+def native_decode_supported(q_shape, num_kv_heads, page_size) -> bool:
+  """Shapes the CPU custom call handles (cpu_decode.cc): head_dim a multiple of 8 up to
+  256, at most 16 query heads per KV head, pages of at most 64 tokens."""
+  _, N, H = q_shape
+  return H % 8 == 0 and H <= 256 and N // num_kv_heads <= 16 and page_size <= 64
+
+
 def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, scale,
-                     block_pages=None):
+                     block_pages=None, native=None):
   """One new token per slot. q [R, N, H], k_new / v_new [R, K, H] (the slot's own token,
-  attended after its cached_len [R] cached tokens), page_table [R, P] -> [R, N, H] f32."""
+  attended after its cached_len [R] cached tokens), page_table [R, P] -> [R, N, H] f32.
+
+  On CPU this runs the native custom call (`cpu_native`: the pages read in place, once)
+  when it is built and handles the shapes; `native=False` forces the XLA-op path below,
+  which every other platform runs."""
+  if native is None:
+    native = cpu_native.available()
+  elif native and not cpu_native.available():
+    raise RuntimeError("native=True, but the CPU decode custom call is unavailable (the log "
+                       "says why: JAXINFER_NATIVE_DECODE=0, or its build failed)")
+  if native and native_decode_supported(q.shape, k_new.shape[1], pool["k"].shape[3]):
+    def on_cpu(*args):
+      return cpu_native.decode_attention(*args, scale=scale)
+
+    def elsewhere(*args):
+      return decode_attention(*args, scale=scale, block_pages=block_pages, native=False)
+
+    return jax.lax.platform_dependent(q, k_new, v_new, pool, layer, page_table, cached_len,
+                                      cpu=on_cpu, default=elsewhere)
   R, N, H = q.shape
   K = k_new.shape[1]
   G = N // K
@@ -196,8 +221,10 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
                            sm_scale=None, q_precision: str = "native",
-                           block_pages=None):
-  """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py."""
+                           block_pages=None, native=None):
+  """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py.
+  `native`: the decode slots' path (see decode_attention; None = the CPU custom call
+  when it is available)."""
   T = q.shape[0]
 
   def group(qr, scale, Q, meta):
@@ -205,7 +232,7 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
     if Q == 1:  # decode slots: one new token each
       qi = jnp.clip(qs, 0, T - 1)
       o = decode_attention(qr[qi], k_new[qi], v_new[qi], pool, layer, pt, cl, scale=scale,
-                           block_pages=block_pages)
+                           block_pages=block_pages, native=native)
       return o[:, None], jnp.where(ql == 1, qs, T)[:, None]  # T = dropped
     return prefill_attention(qr, k_new, v_new, pool, layer, pt, qs, ql, cl, Q, scale,
                              block_pages=block_pages)

@@ -1,0 +1,384 @@
+// Paged decode attention for XLA:CPU, as an XLA FFI custom call (see cpu_native.py).
+//
+// One new token per request slot: for each (slot r, KV head k) the G = N / K query rows
+// of that head read the slot's cached tokens page by page straight from the pool (no
+// gathered copy), with an online softmax over pages, then the slot's own new token. Only
+// tokens below cached_len are read, so stale data in a page's tail or in unused page-table
+// entries is never touched. Every KV format of kv_codec.py is decoded row by row in
+// registers' reach: f32, bf16 (uint16 bits), fp8 e4m3fn (uint8 bits, a float32 scale per
+// page and head), q8_0 and q4_0 (GGML blocks of 32 values with an fp16 scale).
+//
+// Work items (slot, head) are taken from a shared counter by the calling thread and by
+// tasks scheduled on XLA's intra-op thread pool; the caller waits only for items that
+// were taken, so a task that never starts cannot stall the call.
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Format : int32_t { kF32 = 0, kBF16 = 1, kFP8 = 2, kQ8_0 = 3, kQ4_0 = 4 };
+constexpr int kGroup = 32;
+constexpr int kMaxH = 256;
+constexpr int kMaxG = 16;
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t man = h & 0x3ffu;
+  float f;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    f = std::ldexp(static_cast<float>(man), -24);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  uint32_t bits = exp == 31 ? (sign | 0x7f800000u | (man << 13))
+                            : (sign | ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {  // float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN
+      const int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
+      float x;
+      if (exp == 15 && man == 7) {
+        x = std::nanf("");
+      } else if (exp == 0) {
+        x = std::ldexp(static_cast<float>(man), -9);
+      } else {
+        x = std::ldexp(1.0f + man / 8.0f, exp - 7);
+      }
+      v[b] = sign ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+// exp(x) for x <= 0 (softmax arguments), to ~2 ulp; written so loops over it vectorize.
+inline float FastExp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+struct Pool {
+  Format fmt;
+  const void* codes;       // [L, K, P, ps, Hc]
+  const void* scales;      // q8_0 / q4_0: uint16 [L, K, P, ps, H/32]; fp8: float [L, K, P]
+  int64_t P, ps, H, Hc, K;
+  int64_t code_bytes;  // bytes per code element
+
+  // Ask for a page's codes ahead of use: pages lie at random places in the pool, where
+  // the hardware prefetcher cannot follow (measured: loads stalled on misses otherwise).
+  void Prefetch(int64_t lk, int64_t page) const {
+    const char* base = static_cast<const char*>(codes) + (lk * P + page) * ps * Hc * code_bytes;
+    const int64_t bytes = ps * Hc * code_bytes;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
+  }
+
+  // Row (layer, head, page, slot) decoded to float; f32 rows are returned in place.
+  const float* Row(int64_t lk, int64_t page, int64_t slot, float* buf) const {
+    const int64_t row = (lk * P + page) * ps + slot;
+    switch (fmt) {
+      case kF32:
+        return static_cast<const float*>(codes) + row * Hc;
+      case kBF16: {
+        const uint16_t* c = static_cast<const uint16_t*>(codes) + row * Hc;
+        for (int64_t h = 0; h < H; ++h) {
+          const uint32_t bits = static_cast<uint32_t>(c[h]) << 16;
+          std::memcpy(&buf[h], &bits, 4);
+        }
+        return buf;
+      }
+      case kFP8: {
+        const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
+        const float s = static_cast<const float*>(scales)[lk * P + page];
+        for (int64_t h = 0; h < H; ++h) buf[h] = kFp8.v[c[h]] * s;
+        return buf;
+      }
+      case kQ8_0: {
+        const int8_t* c = static_cast<const int8_t*>(codes) + row * Hc;
+        const uint16_t* s = static_cast<const uint16_t*>(scales) + row * (H / kGroup);
+        for (int64_t g = 0; g < H / kGroup; ++g) {
+          const float d = HalfToFloat(s[g]);
+          for (int j = 0; j < kGroup; ++j) buf[g * kGroup + j] = c[g * kGroup + j] * d;
+        }
+        return buf;
+      }
+      case kQ4_0: {
+        const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
+        const uint16_t* s = static_cast<const uint16_t*>(scales) + row * (H / kGroup);
+        for (int64_t g = 0; g < H / kGroup; ++g) {
+          const float d = HalfToFloat(s[g]);
+          const uint8_t* b = c + g * (kGroup / 2);
+          for (int j = 0; j < kGroup / 2; ++j) {
+            buf[g * kGroup + j] = (static_cast<int>(b[j] & 0xf) - 8) * d;
+            buf[g * kGroup + j + kGroup / 2] = (static_cast<int>(b[j] >> 4) - 8) * d;
+          }
+        }
+        return buf;
+      }
+    }
+    return buf;
+  }
+};
+
+// Eight floats, in whatever vector registers the target has (GCC / Clang extension).
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+
+// An unaligned vector load (V8 is declared 4-byte aligned); a memcpy here compiled to two
+// 16-byte moves through the stack and a stalled 32-byte reload.
+inline V8 Load(const float* p) { return *reinterpret_cast<const V8*>(p); }
+
+inline float Sum(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+struct Args {
+  const float *q, *k_new, *v_new;
+  Pool kp, vp;
+  int64_t layer;
+  const int32_t *page_table, *cached_len;
+  float* out;
+  int64_t R, N, K, G, H, pages_per_slot;
+  float scale;
+};
+
+// One (slot, KV head): G query rows over the slot's cached tokens and its own new token.
+// HV = H / 8 and GG = G when known at compile time (SmolLM2: 8 and 3, Qwen3-8B: 16 and 4;
+// the accumulators then stay in registers), 0 for any other shape.
+template <int HV, int GG>
+void Attend(const Args& a, int64_t r, int64_t k) {
+  const int64_t G = GG ? GG : a.G, ps = a.kp.ps;
+  const int64_t hv = HV ? HV : a.H / 8;
+  V8 q[kMaxG][kMaxH / 8], acc[kMaxG][kMaxH / 8];
+  alignas(64) float kbuf[kMaxH], vbuf[kMaxH];
+  float m[kMaxG], l[kMaxG], s[kMaxG][64];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = a.q + (r * a.N + k * G + g) * a.H;
+    for (int64_t c = 0; c < hv; ++c) q[g][c] = Load(qg + 8 * c) * a.scale;
+  }
+  // The slot's own token starts the online softmax: m = its score, l = 1, acc = its V.
+  const float* kn = a.k_new + (r * a.K + k) * a.H;
+  const float* vn = a.v_new + (r * a.K + k) * a.H;
+  for (int64_t g = 0; g < G; ++g) {
+    V8 d = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t c = 0; c < hv; ++c) {
+      d += q[g][c] * Load(kn + 8 * c);
+      acc[g][c] = Load(vn + 8 * c);
+    }
+    m[g] = Sum(d);
+    l[g] = 1.0f;
+  }
+  // Out-of-range metadata is clipped, as XLA's gathers do, rather than read out of bounds
+  // (validated before any jit call; the kernel must never fault on a bad table).
+  int64_t n = a.cached_len[r];
+  n = n < 0 ? 0 : (n > a.pages_per_slot * ps ? a.pages_per_slot * ps : n);
+  const int64_t lk = a.layer * a.K + k;
+  const int32_t* pt = a.page_table + r * a.pages_per_slot;
+  auto clip = [&](int64_t page) {
+    return page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
+  };
+  if (n > 0) {
+    a.kp.Prefetch(lk, clip(pt[0]));
+    a.vp.Prefetch(lk, clip(pt[0]));
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += ps) {
+    const int64_t page = clip(pt[t0 / ps]);
+    if (t0 + ps < n) {
+      a.kp.Prefetch(lk, clip(pt[t0 / ps + 1]));
+      a.vp.Prefetch(lk, clip(pt[t0 / ps + 1]));
+    }
+    const int64_t cnt = n - t0 < ps ? n - t0 : ps;
+    float mb[kMaxG];
+    for (int64_t g = 0; g < G; ++g) mb[g] = m[g];
+    for (int64_t o = 0; o < cnt; ++o) {
+      const float* kr = a.kp.Row(lk, page, o, kbuf);
+      V8 d[kMaxG];
+      for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t c = 0; c < hv; ++c) {
+        const V8 kc = Load(kr + 8 * c);
+        for (int64_t g = 0; g < G; ++g) d[g] += q[g][c] * kc;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float x = Sum(d[g]);
+        s[g][o] = x;
+        mb[g] = x > mb[g] ? x : mb[g];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float alpha = FastExp(m[g] - mb[g]);
+      m[g] = mb[g];
+      float sum = 0;
+      for (int64_t o = 0; o < cnt; ++o) {
+        s[g][o] = FastExp(s[g][o] - mb[g]);
+        sum += s[g][o];
+      }
+      l[g] = l[g] * alpha + sum;
+      if (alpha != 1.0f)
+        for (int64_t c = 0; c < hv; ++c) acc[g][c] *= alpha;
+    }
+    for (int64_t o = 0; o < cnt; ++o) {
+      const float* vr = a.vp.Row(lk, page, o, vbuf);
+      for (int64_t c = 0; c < hv; ++c) {
+        const V8 vc = Load(vr + 8 * c);
+        for (int64_t g = 0; g < G; ++g) acc[g][c] += s[g][o] * vc;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* og = a.out + (r * a.N + k * G + g) * a.H;
+    const float inv = 1.0f / l[g];
+    for (int64_t c = 0; c < hv; ++c) {
+      *reinterpret_cast<V8*>(og + 8 * c) = acc[g][c] * inv;
+    }
+  }
+}
+
+using AttendFn = void (*)(const Args&, int64_t, int64_t);
+
+template <int HV>
+AttendFn ForG(int64_t G) {
+  switch (G) {
+    case 1: return &Attend<HV, 1>;
+    case 2: return &Attend<HV, 2>;
+    case 3: return &Attend<HV, 3>;
+    case 4: return &Attend<HV, 4>;
+    case 5: return &Attend<HV, 5>;
+    case 6: return &Attend<HV, 6>;
+    case 7: return &Attend<HV, 7>;
+    case 8: return &Attend<HV, 8>;
+    default: return &Attend<HV, 0>;
+  }
+}
+
+AttendFn Select(int64_t H, int64_t G) {
+  if (H == 64) return ForG<8>(G);
+  if (H == 128) return ForG<16>(G);
+  return &Attend<0, 0>;
+}
+
+struct Shared {
+  Args args;
+  AttendFn fn;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(Shared* sh) {
+  for (;;) {
+    const int64_t i = sh->next.fetch_add(1);
+    if (i >= sh->items) return;
+    sh->fn(sh->args, i / sh->args.K, i % sh->args.K);
+    sh->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                      ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                      ffi::AnyBuffer k_codes, ffi::AnyBuffer v_codes,
+                      ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
+                      ffi::Buffer<ffi::S32> cached_len, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      int32_t fmt, float scale, int64_t min_parallel_tokens) {
+  const auto qd = q.dimensions();
+  const auto cd = k_codes.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || page_table.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("cpu paged decode: q [R,N,H], pool [L,K,P,ps,Hc], "
+                                       "page_table [R,P] expected");
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->args;
+  a.R = qd[0];
+  a.N = qd[1];
+  a.H = qd[2];
+  a.K = cd[1];
+  a.G = a.N / a.K;
+  if (a.H > kMaxH || a.H % 8 || a.G > kMaxG || a.N % a.K || cd[3] > 64)
+    return ffi::Error::InvalidArgument("cpu paged decode: head_dim a multiple of 8 up to 256, "
+                                       "query heads per KV head <= 16, page_size <= 64");
+  const int64_t L = cd[0];
+  a.layer = layer.typed_data()[0];
+  if (a.layer < 0 || a.layer >= L)
+    return ffi::Error::InvalidArgument("cpu paged decode: layer outside the pool");
+  a.q = q.typed_data();
+  a.k_new = k_new.typed_data();
+  a.v_new = v_new.typed_data();
+  a.page_table = page_table.typed_data();
+  a.pages_per_slot = page_table.dimensions()[1];
+  a.cached_len = cached_len.typed_data();
+  a.out = out->typed_data();
+  a.scale = scale;
+  for (Pool* p : {&a.kp, &a.vp}) {
+    p->fmt = static_cast<Format>(fmt);
+    p->K = cd[1];
+    p->P = cd[2];
+    p->ps = cd[3];
+    p->Hc = cd[4];
+    p->H = a.H;
+    p->code_bytes = k_codes.element_type() == ffi::F32 ? 4
+                    : (k_codes.element_type() == ffi::U16 ? 2 : 1);
+  }
+  a.kp.codes = k_codes.untyped_data();
+  a.vp.codes = v_codes.untyped_data();
+  a.kp.scales = k_scales.untyped_data();
+  a.vp.scales = v_scales.untyped_data();
+  sh->items = a.R * a.K;
+  sh->fn = Select(a.H, a.G);
+
+  int64_t tokens = 0;
+  for (int64_t r = 0; r < a.R; ++r) tokens += a.cached_len[r];
+  int64_t helpers = tokens * a.K >= min_parallel_tokens ? pool.num_threads() : 0;
+  if (helpers > sh->items - 1) helpers = sh->items - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
+  Drain(sh.get());
+  while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxinferPagedDecode, DecodeImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // q [R, N, H]
+        .Arg<ffi::Buffer<ffi::F32>>()   // k_new [R, K, H]
+        .Arg<ffi::Buffer<ffi::F32>>()   // v_new [R, K, H]
+        .Arg<ffi::AnyBuffer>()          // k codes [L, K, P, ps, Hc]
+        .Arg<ffi::AnyBuffer>()          // v codes
+        .Arg<ffi::AnyBuffer>()          // k scales (or a 1-element placeholder)
+        .Arg<ffi::AnyBuffer>()          // v scales
+        .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+        .Arg<ffi::Buffer<ffi::S32>>()   // page_table [R, pages]
+        .Arg<ffi::Buffer<ffi::S32>>()   // cached_len [R]
+        .Ret<ffi::Buffer<ffi::F32>>()   // out [R, N, H]
+        .Attr<int32_t>("fmt")
+        .Attr<float>("scale")
+        .Attr<int64_t>("min_parallel_tokens"));
