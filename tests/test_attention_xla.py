@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import cpu_native, reference, xla
+from pallas_kernels.paged_attention import reference, xla
 from test_pallas_attention import FORMATS, MIXES, make_case
 
 # The machines this runs on have a C++ compiler: a failed build must fail here, not hide.
