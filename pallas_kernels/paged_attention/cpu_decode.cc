@@ -48,24 +48,6 @@ float HalfToFloat(uint16_t h) {
   return f;
 }
 
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {  // float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN
-      const int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
-      float x;
-      if (exp == 15 && man == 7) {
-        x = std::nanf("");
-      } else if (exp == 0) {
-        x = std::ldexp(static_cast<float>(man), -9);
-      } else {
-        x = std::ldexp(1.0f + man / 8.0f, exp - 7);
-      }
-      v[b] = sign ? -x : x;
-    }
-  }
-};
-const Fp8Table kFp8;
 
 // exp(x) for x <= 0 (softmax arguments), to ~2 ulp; written so loops over it vectorize.
 inline float FastExp(float x) {
@@ -119,7 +101,17 @@ struct Pool {
       case kFP8: {
         const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
         const float s = static_cast<const float*>(scales)[lk * P + page];
-        for (int64_t h = 0; h < H; ++h) buf[h] = kFp8.v[c[h]] * s;
+        // e4m3fn's exponent and mantissa moved into a float32's fields read as the value
+        // times 2^-120 (exponent 0 lands on float32 subnormals with the same scaling), so a
+        // shift and two exact multiplies decode it, in vector lanes; S.1111.111 is NaN.
+        for (int64_t h = 0; h < H; ++h) {
+          const uint32_t u = c[h];
+          const uint32_t bits = (u & 0x7fu) == 0x7fu ? 0x7fc00000u
+                                                     : ((u & 0x80u) << 24) | ((u & 0x7fu) << 20);
+          float x;
+          std::memcpy(&x, &bits, 4);
+          buf[h] = x * 0x1p120f * s;
+        }
         return buf;
       }
       case kQ8_0: {
