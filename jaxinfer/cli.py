@@ -307,7 +307,7 @@ def _generate():
 
 USAGE = ("usage: python -m jaxinfer generate [--flags]   (--help lists the flags)\n"
          "       python -m jaxinfer serve [--flags]      (OpenAI-compatible HTTP server)\n"
-         "       python -m jaxinfer cache list|clear   (converted weights, compiled steps)")
+         "       python -m jaxinfer cache list|clear   (converted weights, compiled code)")
 
 
 def _cache(action: str) -> None:
@@ -326,7 +326,8 @@ def _cache(action: str) -> None:
     print(f"{root}:")
     for e in entries:
       path = os.path.join(root, e)
-      what = "compiled steps" if e == "xla" else "?"
+      what = {"xla": "compiled steps", "native": "the built CPU decode-attention library"}.get(
+          e, "?")
       cfg = os.path.join(path, "model_config.json")
       if os.path.isfile(cfg):
         with open(cfg) as f:

@@ -11,7 +11,10 @@ tokens and nothing prefills (jaxinfer: a step packed at exactly that shape, medi
 
 Floors of a step, from measurements made in the same run:
   bandwidth floor = (weight bytes read + the step's KV bytes) / measured read bandwidth
-  compute floor   = the step's FLOPs / measured f32 matmul FLOP/s at the step's shapes
+  compute floor   = the step's weight-matmul FLOPs / measured f32 matmul FLOP/s at the
+                    step's own shapes + its attention FLOPs / the 2048^3 matmul rate
+(attention used to be charged at the weight matmuls' rate; at batch 1 that rate is
+bandwidth-bound, so the "floor" sat above what the native decode call achieves)
 Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
 """
 from __future__ import annotations
@@ -94,7 +97,8 @@ def main(argv):
         step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
         seqs = [(1, ctx)] * B
         bw_floor = costs.step_bytes(seqs) / bw
-        c_floor = costs.step_flops(seqs) / rate(B, B)
+        attn = costs.attention_flops(seqs)
+        c_floor = (costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak
         th = tl = None
         if hf is not None and kv_format == "f32":
           th = bm.hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)

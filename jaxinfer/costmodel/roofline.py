@@ -64,9 +64,13 @@ class ModelCosts:
   def step_flops(self, seqs: Sequence[Tuple[int, int]], sampled: Optional[int] = None) -> float:
     """seqs: (new tokens c, cached tokens h) per request."""
     sampled = len(seqs) if sampled is None else sampled
-    pairs = sum(chunk_pairs(c, h) for c, h in seqs)
-    return (sum(c for c, _ in seqs) * self.flops_per_token + pairs *
-            self.cfg.attention_flops_per_pair() + sampled * self.lm_head_flops)
+    return (sum(c for c, _ in seqs) * self.flops_per_token + self.attention_flops(seqs)
+            + sampled * self.lm_head_flops)
+
+  def attention_flops(self, seqs: Sequence[Tuple[int, int]]) -> float:
+    """The attention share of step_flops (score and value products of every new token
+    against its context)."""
+    return sum(chunk_pairs(c, h) for c, h in seqs) * self.cfg.attention_flops_per_pair()
 
   def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                  sharing: Optional[int] = None) -> float:

@@ -113,8 +113,8 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
   On CPU this runs the native custom call (`cpu_native`: the pages read in place, once)
   when it is built and handles the shapes; `native=False` forces the XLA-op path below,
   which every other platform runs."""
-  if native is None:
-    native = cpu_native.available()
+  if native is None:  # (nothing is built where the default backend is an accelerator)
+    native = jax.default_backend() == "cpu" and cpu_native.available()
   elif native and not cpu_native.available():
     raise RuntimeError("native=True, but the CPU decode custom call is unavailable (the log "
                        "says why: JAXINFER_NATIVE_DECODE=0, or its build failed)")
