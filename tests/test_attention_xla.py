@@ -108,3 +108,37 @@ def test_contexts_are_data_not_shapes():
     chex.assert_shape(out, q.shape)
     chex.assert_tree_all_finite(out)
     np.testing.assert_allclose(out, np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_native_call_clips_bad_metadata_instead_of_reading_out_of_bounds():
+  """Under jit nothing validates the page table's values: page ids outside the pool and
+  contexts past the table must not make the native call read outside its buffers (it
+  clips them, as XLA's gathers do); valid slots in the same call are unaffected."""
+  reqs = [(40, 1), (20, 1), (33, 1)]
+  q, kn, vn, pool, layer, pt, qs, ql, cl = make_case(np.random.default_rng(5), "f32", 16, 9,
+                                                      3, 64, reqs)
+  ref = np.asarray(reference.ragged_paged_attention(q, kn, vn, pool, layer, pt, qs, ql, cl,
+                                                    max_query_len=1, num_prefill_slots=0))
+  bad_pt, bad_cl = pt.copy(), cl.copy()
+  bad_pt[1, 0] = 10**6  # far past the pool's pages
+  bad_pt[1, 1] = -7
+  bad_cl[2] = 10**6  # far past slot 2's table
+  out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
+      *a, max_query_len=1, num_prefill_slots=0, native=True))(
+          q, kn, vn, pool, layer, bad_pt, qs, ql, bad_cl))
+  assert out.shape == ref.shape
+  np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=1e-5)  # slot 0 untouched
+
+
+def test_native_build_failure_names_the_compiler_and_its_output(tmp_path, monkeypatch):
+  """A compiler that fails is reported with its command and output; nothing half-written
+  is left in the cache (the XLA-op path then runs: `available()` logs and returns False)."""
+  from pallas_kernels.paged_attention import cpu_native
+  script = tmp_path / "cxx"
+  script.write_text("#!/bin/sh\necho 'no such compiler here' >&2\nexit 3\n")
+  script.chmod(0o755)
+  monkeypatch.setenv("CXX", str(script))
+  monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+  with pytest.raises(RuntimeError, match="no such compiler here"):
+    cpu_native.build()
+  assert not list((tmp_path / "cache" / "native").glob("*.so"))

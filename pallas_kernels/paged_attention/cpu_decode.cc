@@ -311,8 +311,11 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.N = qd[1];
   a.H = qd[2];
   a.K = cd[1];
+  if (a.K < 1 || a.N % a.K)
+    return ffi::Error::InvalidArgument("cpu paged decode: query heads must be a multiple of "
+                                       "the pool's KV heads");
   a.G = a.N / a.K;
-  if (a.H > kMaxH || a.H % 8 || a.G > kMaxG || a.N % a.K || cd[3] > 64)
+  if (a.H > kMaxH || a.H % 8 || a.G > kMaxG || cd[3] > 64)
     return ffi::Error::InvalidArgument("cpu paged decode: head_dim a multiple of 8 up to 256, "
                                        "query heads per KV head <= 16, page_size <= 64");
   const int64_t L = cd[0];
