@@ -89,6 +89,33 @@ def test_qwen3_safetensors_matches_hf(qwen3_dir):
   assert out.token_ids == ref_ids
 
 
+def test_unrolled_steps_equal_scanned_and_never_copy_the_pool(qwen3_dir):
+  """Unrolled layers compile with XLA:CPU's region-based copy insertion (step.steps_for):
+  a prefill and two decode steps give the scanned layers' tokens, and the compiled step
+  holds no copy of the donated pool (without the option it held two per component)."""
+  from jaxinfer import benchmarking as bm
+  from jaxinfer.executors.jax_executor import JaxExecutor
+  from jaxinfer.loading import load_model
+  d, _ = qwen3_dir
+  steps = [bm.uniform_step(3, 0, 20)[0], bm.uniform_step(3, 20, 1)[0],
+           bm.uniform_step(3, 21, 1)[0]]
+  pages = bm.uniform_step(3, 21, 1)[1]
+  got = {}
+  for scan in (False, True):
+    m = load_model(d, "float32", scan_layers=scan)
+    ex = JaxExecutor(m.cfg, m.params, num_pages=pages, page_size=16)
+    got[scan] = [ex.execute(s).packed for s in steps]
+    if not scan:
+      hlo = ex._model_step.lower(ex.params, ex.pool, steps[1].arrays, cfg=m.cfg,
+                                 attn_shape=steps[1].bucket.attn_shape, backend=ex.backend,
+                                 return_logits=False).compile().as_text()
+      pool_shape = "f32[" + ",".join(map(str, ex.pool["k"].shape)) + "]"
+      copies = [ln for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
+      assert not copies, copies
+  for a, b in zip(got[False], got[True]):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_scan_layers_equal_unrolled(qwen3_dir):
   from jaxinfer.loading import load_model
   d, _ = qwen3_dir

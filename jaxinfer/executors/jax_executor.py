@@ -16,8 +16,8 @@ from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
-from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, draft_step, enable_compilation_cache,
-                           forward_step, masked_sample_step, model_step, read_pages_jit,
+from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, enable_compilation_cache,
+                           masked_sample_step, read_pages_jit, steps_for,
                            write_pages_jit)
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class JaxExecutor:
         self.params = jax.device_put(params, self.devices[0])
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
+    self._model_step, self._forward_step, self._draft_step = steps_for(
+        params, self.devices[0].platform)
     self.streamer = None
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
@@ -184,15 +186,16 @@ class JaxExecutor:
     if step.mask_fn is not None and not self.overlap_masks:
       arrays = dict(arrays, token_mask=step.mask_fn())
     elif step.mask_fn is not None:
-      logits, self.pool = forward_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                       attn_shape=step.bucket.attn_shape, backend=self.backend)
+      logits, self.pool = self._forward_step(self.params, self.pool, arrays, cfg=self.cfg,
+                                             attn_shape=step.bucket.attn_shape,
+                                             backend=self.backend)
       mask = step.mask_fn()  # host work while the device runs the forward
       out = masked_sample_step(logits, dict({k: arrays[k] for k in SAMPLE_KEYS[:-1]
                                              if k in arrays}, token_mask=mask))
       return out, t0
-    out, self.pool = model_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                attn_shape=step.bucket.attn_shape, backend=self.backend,
-                                return_logits=False)
+    out, self.pool = self._model_step(self.params, self.pool, arrays, cfg=self.cfg,
+                                      attn_shape=step.bucket.attn_shape, backend=self.backend,
+                                      return_logits=False)
     return out, t0
 
   def collect(self, handle) -> StepResult:
@@ -236,7 +239,7 @@ class JaxExecutor:
     arrays = step.arrays
     if "lora_slot" in arrays:
       arrays = self._with_lora(arrays, step.bucket)
-    (packed, logits), self.pool = model_step(
+    (packed, logits), self.pool = self._model_step(
         self.params, self.pool, arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
         backend=self.backend, return_logits=True)
     return np.asarray(packed), np.asarray(logits)
@@ -254,9 +257,9 @@ class JaxExecutor:
   def draft(self, step: StepInput, num_layers: int) -> np.ndarray:
     """Greedy draft tokens [S] from the first `num_layers` layers and the LM head; writes
     those layers' K/V of the step's positions into the pool."""
-    out, self.pool = draft_step(self.params, self.pool, step.arrays, cfg=self.cfg,
-                                attn_shape=step.bucket.attn_shape, backend=self.backend,
-                                num_layers=num_layers)
+    out, self.pool = self._draft_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+                                      attn_shape=step.bucket.attn_shape, backend=self.backend,
+                                      num_layers=num_layers)
     return np.asarray(out)
 
   def warmup_draft(self, buckets: Sequence[Bucket], num_layers: int) -> float:
