@@ -18,9 +18,10 @@ x86 machine (per-op profile in the README's performance section):
   or with JAXINFER_NATIVE_DECODE=0.
 - Decode slots on the XLA-op path: with more than
   MAX_DOT_FORM_SLOTS slots it is written as multiply-and-reduce over [K, R, S, G, H]
-  rather than as dots: XLA:CPU then fuses the page gather into the reductions (a G-row
-  dot per (head, request) runs 4-5x under XLA:CPU's dot peak); with one or two slots the
-  dot form is faster.
+  rather than as dots (a G-row dot per (head, request) runs 4-5x under XLA:CPU's dot
+  peak); with one or two slots the dot form is faster. In jax 0.10.2 the reductions run
+  as YNNPACK fusions over the gathered, masked copies (the gather is not fused into
+  them), which is what the native call avoids.
 - Slots with several new tokens (prefill chunks, verify windows) score their own new
   tokens causally first, then the cached blocks; their query rows make the dots large.
 - The gather takes whole page rows (`jnp.take` on [pages, page_size * Hc], clipped:
