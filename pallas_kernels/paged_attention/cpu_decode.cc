@@ -69,6 +69,12 @@ inline float FastExp(float x) {
   return p;
 }
 
+// Eight floats, in whatever vector registers the target has (GCC / Clang extension).
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t V8i __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint8_t U8x8 __attribute__((vector_size(8), aligned(1)));
+
 struct Pool {
   Format fmt;
   const void* codes;       // [L, K, P, ps, Hc]
@@ -92,9 +98,12 @@ struct Pool {
         return static_cast<const float*>(codes) + row * Hc;
       case kBF16: {
         const uint16_t* c = static_cast<const uint16_t*>(codes) + row * Hc;
-        for (int64_t h = 0; h < H; ++h) {
-          const uint32_t bits = static_cast<uint32_t>(c[h]) << 16;
-          std::memcpy(&buf[h], &bits, 4);
+        // Eight at a time, stored as vectors: scalar stores read back by the vector loads
+        // stall store forwarding (measured: bf16 slower than f32 before).
+        for (int64_t h = 0; h < H; h += 8) {
+          const V8i bits = __builtin_convertvector(*reinterpret_cast<const U16x8*>(c + h), V8i)
+                           << 16;
+          *reinterpret_cast<V8*>(buf + h) = reinterpret_cast<const V8&>(bits);
         }
         return buf;
       }
@@ -103,7 +112,9 @@ struct Pool {
         const float s = static_cast<const float*>(scales)[lk * P + page];
         // e4m3fn's exponent and mantissa moved into a float32's fields read as the value
         // times 2^-120 (exponent 0 lands on float32 subnormals with the same scaling), so a
-        // shift and two exact multiplies decode it, in vector lanes; S.1111.111 is NaN.
+        // shift and two exact multiplies decode it; S.1111.111 is NaN. (This scalar loop
+        // is vectorised by the compiler; 8-byte vector loads converted by hand measured
+        // slower: 271 vs 212 ms at batch 16, context 4096.)
         for (int64_t h = 0; h < H; ++h) {
           const uint32_t u = c[h];
           const uint32_t bits = (u & 0x7fu) == 0x7fu ? 0x7fc00000u
@@ -117,7 +128,7 @@ struct Pool {
       case kQ8_0: {
         const int8_t* c = static_cast<const int8_t*>(codes) + row * Hc;
         const uint16_t* s = static_cast<const uint16_t*>(scales) + row * (H / kGroup);
-        for (int64_t g = 0; g < H / kGroup; ++g) {
+        for (int64_t g = 0; g < H / kGroup; ++g) {  // (vectorised by the compiler, as fp8)
           const float d = HalfToFloat(s[g]);
           for (int j = 0; j < kGroup; ++j) buf[g * kGroup + j] = c[g * kGroup + j] * d;
         }
@@ -129,9 +140,12 @@ struct Pool {
         for (int64_t g = 0; g < H / kGroup; ++g) {
           const float d = HalfToFloat(s[g]);
           const uint8_t* b = c + g * (kGroup / 2);
-          for (int j = 0; j < kGroup / 2; ++j) {
-            buf[g * kGroup + j] = (static_cast<int>(b[j] & 0xf) - 8) * d;
-            buf[g * kGroup + j + kGroup / 2] = (static_cast<int>(b[j] >> 4) - 8) * d;
+          for (int j = 0; j < kGroup / 2; j += 8) {  // low nibbles: values j, high: j + 16
+            const V8i x = __builtin_convertvector(*reinterpret_cast<const U8x8*>(b + j), V8i);
+            *reinterpret_cast<V8*>(buf + g * kGroup + j) =
+                __builtin_convertvector((x & 0xf) - 8, V8) * d;
+            *reinterpret_cast<V8*>(buf + g * kGroup + j + kGroup / 2) =
+                __builtin_convertvector((x >> 4) - 8, V8) * d;
           }
         }
         return buf;
@@ -141,8 +155,6 @@ struct Pool {
   }
 };
 
-// Eight floats, in whatever vector registers the target has (GCC / Clang extension).
-typedef float V8 __attribute__((vector_size(32), aligned(4)));
 
 // An unaligned vector load (V8 is declared 4-byte aligned); a memcpy here compiled to two
 // 16-byte moves through the stack and a stalled 32-byte reload.
