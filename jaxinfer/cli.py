@@ -40,7 +40,7 @@ flags.DEFINE_enum("attention", "xla", ["xla", "reference", "pallas"],
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 flags.DEFINE_enum("layers", "scan", ["scan", "unrolled"],
                   "layer loop: lax.scan over stacked weights (compiles fast), or one block per "
-                  "layer (no weight copies out of the stack: batch-1 decode 28 vs 38 ms on "
+                  "layer (no weight copies out of the stack: batch-1 decode 27 vs 38 ms on "
                   "SmolLM2 here; each shape compiles about 3x slower)")
 flags.DEFINE_integer("num_pages", 1024, "KV pool size in pages")
 flags.DEFINE_bool("json", False, "print one JSON object per prompt")

@@ -133,21 +133,18 @@ draft_step = jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend
 # from the in-place K/V write (measured: 75-89 ms a step at batch 16-64; with it, batch 1
 # took 27.0 ms unrolled against 38.2 ms scanned). CPU only: the option names XLA:CPU.
 UNROLLED_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
-_unrolled = {}
+_opts = dict(compiler_options=UNROLLED_CPU_OPTIONS, donate_argnums=(1,))
+_UNROLLED_STEPS = (  # jit compiles lazily: nothing is built unless unrolled layers run
+    jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"), **_opts),
+    jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"), **_opts),
+    jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
+            **_opts))
 
 
 def steps_for(params, platform: str):
   """(model_step, forward_step, draft_step) for a params layout on a platform (params
   may be None: an executor used only for its pool)."""
   layers = params.get("layers") if isinstance(params, dict) else None
-  if not isinstance(layers, (list, tuple)) or platform != "cpu":
-    return model_step, forward_step, draft_step
-  if not _unrolled:
-    opts = dict(compiler_options=UNROLLED_CPU_OPTIONS, donate_argnums=(1,))
-    _unrolled["steps"] = (
-        jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
-                **opts),
-        jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"), **opts),
-        jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
-                **opts))
-  return _unrolled["steps"]
+  if isinstance(layers, (list, tuple)) and platform == "cpu":
+    return _UNROLLED_STEPS
+  return model_step, forward_step, draft_step

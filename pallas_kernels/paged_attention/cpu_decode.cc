@@ -79,7 +79,7 @@ struct Pool {
   Format fmt;
   const void* codes;       // [L, K, P, ps, Hc]
   const void* scales;      // q8_0 / q4_0: uint16 [L, K, P, ps, H/32]; fp8: float [L, K, P]
-  int64_t P, ps, H, Hc, K;
+  int64_t P, ps, H, Hc;
   int64_t code_bytes;  // bytes per code element
 
   // Ask for a page's codes ahead of use: pages lie at random places in the pool, where
@@ -345,7 +345,6 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.scale = scale;
   for (Pool* p : {&a.kp, &a.vp}) {
     p->fmt = static_cast<Format>(fmt);
-    p->K = cd[1];
     p->P = cd[2];
     p->ps = cd[3];
     p->Hc = cd[4];

@@ -39,7 +39,9 @@ TARGET = "jaxinfer_paged_decode"
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.cc")
 _FORMATS = {"f32": 0, "bf16": 1, "fp8": 2, "q8_0": 3, "q4_0": 4}
 # Below this many (cached token, KV head) pairs a call runs on the calling thread alone:
-# scheduling a helper costs more than it saves (measured at batch 1, context 256).
+# scheduling a helper costs more than it saves. Measured (SmolLM2's shapes, 30 calls, two
+# cores): 192 pairs 0.60 ms with helpers vs 0.32 alone, 768 pairs 0.98 vs 0.99, 3072
+# pairs 2.81 vs 3.65 (one request) and 2.46 vs 4.09 (four).
 MIN_PARALLEL_TOKENS = 1024
 
 _lock = threading.Lock()
