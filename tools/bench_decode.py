@@ -19,6 +19,7 @@ Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -41,6 +42,8 @@ flags.DEFINE_list("engine_batches", ["64"], "host time per step: LLM.generate of
                   "prompts (--engine_prompt tokens each, --engine_new_tokens out); empty: skip")
 flags.DEFINE_integer("engine_prompt", 128, "host time: prompt tokens")
 flags.DEFINE_integer("engine_new_tokens", 32, "host time: new tokens per prompt")
+flags.DEFINE_list("weight_formats", ["dense"], "dense (f32 weights) and/or gguf (the file's "
+                  "own Q4_1/Q8_0 blocks read in place at steps of few tokens; CPU)")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -55,6 +58,7 @@ def _fmt(x, spec=".1f"):
 
 def main(argv):
   del argv
+  import jax
   from jaxinfer import benchmarking as bm
   from jaxinfer.costmodel import ModelCosts
   from jaxinfer.executors.jax_executor import JaxExecutor
@@ -67,8 +71,18 @@ def main(argv):
   batches = [int(b) for b in FLAGS.batch_sizes]
   contexts = [int(c) for c in FLAGS.contexts]
   ps = 16
-  m = load_model(FLAGS.model)
+  for wf in FLAGS.weight_formats:
+    if wf not in ("dense", "gguf"):
+      raise app.UsageError(f"--weight_formats: unknown format {wf!r}")
+  m = load_model(FLAGS.model, weight_format="gguf" if "gguf" in FLAGS.weight_formats
+                 else "dense")
   cfg = m.cfg
+  dense_params = {k: v for k, v in m.params.items() if k != "blocks"}
+  params_of = {"dense": dense_params, "gguf": m.params}
+  # bytes a gguf step reads for its weights: the blocks as held (codes + float32 scales)
+  # and the norms; compared with the dense d_w below
+  block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
+  block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
@@ -96,27 +110,32 @@ def main(argv):
           continue
         step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
         seqs = [(1, ctx)] * B
-        bw_floor = costs.step_bytes(seqs) / bw
         attn = costs.attention_flops(seqs)
-        c_floor = (costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak
+        floors = {"dense": (costs.step_bytes(seqs) / bw,
+                            (costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak),
+                  # gguf: XLA's f32 rate at these shapes is no floor for the block call
+                  "gguf": ((costs.step_bytes(seqs) - costs.d_w + block_bytes) / bw,
+                           costs.step_flops(seqs) / peak)}
         th = tl = None
         if hf is not None and kv_format == "f32":
           th = bm.hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
         if lc is not None and kv_format == "f32" and B == 1:
           tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
-        for backend in FLAGS.attention:
-          ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps,
+        for wf, backend in itertools.product(FLAGS.weight_formats, FLAGS.attention):
+          bw_floor, c_floor = floors[wf]
+          ex = JaxExecutor(cfg, params_of[wf], num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
           t = bm.time_step(ex, step, FLAGS.repeats)
           del ex
-          r = {"attention": backend, "kv_format": kv_format, "batch": B, "context": ctx,
+          r = {"attention": backend, "weights": wf, "kv_format": kv_format, "batch": B,
+               "context": ctx,
                "step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
                "compute_floor_ms": 1e3 * c_floor, "over_floor": t / max(bw_floor, c_floor),
                "hf_step_ms": None if th is None else 1e3 * th,
                "over_hf": None if th is None else th / t,
                "llama_cpp_step_ms": None if tl is None else 1e3 * tl}
           rows.append(r)
-          print(f"decode {backend} {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
+          print(f"decode {backend} {wf} {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
                 f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
                 file=sys.stderr, flush=True)
 
@@ -130,7 +149,7 @@ def main(argv):
     tl = bm.llama_cpp_prefill(lc, n, max(2, FLAGS.repeats // 2)) if lc is not None and not c0 \
         else None
     for backend in FLAGS.attention:
-      ex = JaxExecutor(cfg, m.params, num_pages=num_pages, page_size=ps, backend=backend)
+      ex = JaxExecutor(cfg, dense_params, num_pages=num_pages, page_size=ps, backend=backend)
       t = bm.time_step(ex, step, max(2, FLAGS.repeats // 2))
       del ex
       pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t,
@@ -143,10 +162,12 @@ def main(argv):
 
   print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
         "'x HF' = HF step / ours")
-  print(f"{'attention':>9} {'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} {'tok/s':>8} "
-        f"{'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} {'llama.cpp':>9}")
+  print(f"{'attention':>9} {'weights':>7} {'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} "
+        f"{'tok/s':>8} {'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} "
+        f"{'llama.cpp':>9}")
   for r in rows:
-    print(f"{r['attention']:>9} {r['kv_format']:>5} {r['batch']:>5} {r['context']:>5} "
+    print(f"{r['attention']:>9} {r['weights']:>7} {r['kv_format']:>5} {r['batch']:>5} "
+          f"{r['context']:>5} "
           f"{r['step_ms']:>9.1f} "
           f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
           f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6} "

@@ -129,3 +129,58 @@ def load_gguf(path: str, name: str | None = None):
   if missing or any(len(l) < 9 for l in layers):
     raise ModelLoadError(f"GGUF file {path!r} lacks tensors: {missing or 'some layer weights'}")
   return params, cfg, reader
+
+
+# GGUF block formats the native block matmul reads as they are (pallas_kernels.block_matmul);
+# q4_0 is q4_1 with m = -8 d (exact: d * (q - 8) = d * q - 8 d in float32).
+BLOCK_MATMUL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_MATMUL_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                 "ffn_down")
+
+
+def _blocks_of(t):
+  from pallas_kernels import block_matmul
+  rows, cols = (int(x) for x in reversed(t.shape))  # (out, in)
+  kind = t.tensor_type.name
+  if kind not in BLOCK_MATMUL_TYPES:
+    raise ModelLoadError(
+        f"weight_format='gguf' reads Q4_0, Q4_1 and Q8_0 tensors as they are; tensor "
+        f"{t.name!r} is {kind}: use weight_format='dense' for this file")
+  raw = np.asarray(t.data).view(np.uint8)
+  if kind == "Q4_0":  # block: d fp16, 16 code bytes
+    nb = cols // 32
+    blk = raw.reshape(rows, nb, 18)
+    d = blk[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(rows, nb)
+    scales = np.stack([d, -8.0 * d], -1)
+    return np.ascontiguousarray(blk[:, :, 2:].reshape(rows, nb * 16)), scales
+  return block_matmul.from_gguf_blocks(raw, kind.lower(), rows, cols)
+
+
+def load_blocks(reader, cfg: ModelConfig):
+  """The file's matmul weights in their own blocks: {"layers": {name: {"codes": [L, N, C],
+  "scales": [L, N, K/32, S]}}, "lm_head": {...}} as numpy arrays (N = out, K = in)."""
+  permuted = field(reader, "general.architecture") == "llama"
+  per_layer: dict = {}
+  head = None
+  for t in reader.tensors:
+    parts = t.name.split(".")
+    if parts[0] == "blk" and parts[2] in _MATMUL_KINDS:
+      codes, scales = _blocks_of(t)
+      if permuted and parts[2] in ("attn_q", "attn_k"):  # rows, as for the dense weights
+        n = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
+        shape = scales.shape
+        codes = unpermute_qk(codes, n)
+        scales = unpermute_qk(scales.reshape(shape[0], -1), n).reshape(shape)
+      per_layer.setdefault(_LAYER_NAMES[parts[2]], {})[int(parts[1])] = (codes, scales)
+    elif t.name == "output.weight" or (t.name == "token_embd.weight" and cfg.tie_embeddings):
+      head = _blocks_of(t)
+  layers = {}
+  for name, got in per_layer.items():
+    if len(got) != cfg.num_layers:
+      raise ModelLoadError(f"GGUF file lacks {name} of some layers")
+    layers[name] = {"codes": np.stack([got[i][0] for i in range(cfg.num_layers)]),
+                    "scales": np.stack([got[i][1] for i in range(cfg.num_layers)])}
+  out = {"layers": layers}
+  if head is not None:
+    out["lm_head"] = {"codes": head[0], "scales": head[1]}
+  return out

@@ -117,9 +117,33 @@ def _to_device(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a), dtype), params)
 
 
+WEIGHT_FORMATS = ("dense", "gguf")
+
+
+def check_weight_format(weight_format) -> None:
+  """weight_format="gguf" needs the native CPU library on a CPU backend (raised before any
+  load)."""
+  if weight_format not in WEIGHT_FORMATS:
+    raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+  if weight_format == "gguf":
+    if jax.default_backend() != "cpu":
+      raise ValueError("weight_format='gguf' runs on the CPU backend only (the default "
+                       f"backend is {jax.default_backend()!r}); use 'dense'")
+    from pallas_kernels import block_matmul
+    if not block_matmul.available():
+      raise ValueError("weight_format='gguf' needs the native CPU library, which could not "
+                       "be built or is disabled (JAXINFER_NATIVE=0); see the log")
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layers: bool = True,
-               cache_dir: Optional[str] = None, use_cache: bool = True) -> LoadedModel:
+               cache_dir: Optional[str] = None, use_cache: bool = True,
+               weight_format: str = "dense") -> LoadedModel:
   """Load weights (dequantized to `dtype`) and the tokenizer.
+
+  weight_format="gguf" (a .gguf model on CPU): also keep the file's Q4_0 / Q4_1 / Q8_0
+  matmul weights in their own blocks (params["blocks"]); steps of few tokens multiply by
+  them in place (pallas_kernels.block_matmul: the same weights bit for bit, 0.6-1.1 bytes
+  read per weight instead of 4), larger steps by the dense copies.
 
   scan_layers: stacked layer weights for `lax.scan` (fast compile) instead of a list of
   per-layer weights (fast run on XLA:CPU; see the model issue's note).
@@ -131,7 +155,10 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
   if dtype not in DTYPES:
     raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
   jdtype = DTYPES[dtype]
+  check_weight_format(weight_format)
   path = resolve_model(model)
+  if weight_format == "gguf" and not path.endswith(".gguf"):
+    raise ValueError(f"weight_format='gguf' needs a .gguf model; {path!r} is not one")
   name = model if model in _SHIPPED or model in MODEL_CONFIGS else None
   t0 = time.perf_counter()
   if os.path.isdir(path) and checkpoint.is_checkpoint(path):
@@ -183,8 +210,31 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
                          "damaged (it would generate NaN logits)")
   params = stack_layers(params) if scan_layers else unstack_layers(params)
+  loaded = LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)
+  if weight_format == "gguf":
+    loaded = with_weight_format(loaded, "gguf")
   log.info("loaded %s (%s, %s) in %.2fs", cfg.name, path, dtype, time.perf_counter() - t0)
-  return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)
+  return loaded
+
+
+def with_weight_format(loaded: LoadedModel, weight_format: str) -> LoadedModel:
+  """The same model with its GGUF block weights added ("gguf": read from loaded.source, a
+  .gguf file; ~0.3 s for SmolLM2) or dropped ("dense"); unchanged when already so."""
+  check_weight_format(weight_format)
+  has = "blocks" in loaded.params
+  if weight_format == "dense":
+    if not has:
+      return loaded
+    params = {k: v for k, v in loaded.params.items() if k != "blocks"}
+    return dataclasses.replace(loaded, params=params)
+  if has:
+    return loaded
+  if not str(loaded.source).endswith(".gguf"):
+    raise ValueError(f"weight_format='gguf' needs a .gguf model; {loaded.source!r} is not one")
+  from jaxinfer.loading import gguf_loader
+  blocks = gguf_loader.load_blocks(gguf_loader.open_gguf(loaded.source), loaded.cfg)
+  params = dict(loaded.params, blocks=jax.tree_util.tree_map(jnp.asarray, blocks))
+  return dataclasses.replace(loaded, params=params)
 
 
 def _checkpoint_tokenizer(path: str, cfg: ModelConfig):

@@ -138,8 +138,15 @@ def delta(x, a, b, layer, batch):
 
 def project(x, p, name: str, lw, batch):
   """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
-  (lw = (pool, layer index))."""
-  y = x @ p[name]
+  (lw = (pool, layer index)). p["blocks"] = (the stacked GGUF block weights, layer index)
+  when this step reads the file's own blocks (weight_format="gguf", transformer.py)."""
+  blocks = p.get("blocks")
+  if blocks is not None and name in blocks[0]:
+    from pallas_kernels import block_matmul
+    w = blocks[0][name]
+    y = block_matmul.matmul(x, w["codes"], w["scales"], blocks[1]).astype(x.dtype)
+  else:
+    y = x @ p[name]
   if lw is not None and name in lw[0]:
     pool, layer = lw
     y = y + delta(x, pool[name]["a"], pool[name]["b"], layer, batch).astype(y.dtype)

@@ -14,6 +14,12 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
 from jaxinfer.model import layers
 
+# weight_format="gguf" (params["blocks"], pallas_kernels.block_matmul): steps of at most this
+# many tokens read the matmul weights in the file's own blocks; larger steps use the float
+# weights (XLA's matmul is faster once the weights are reused across many rows; see the
+# README's Performance section for the crossover measured).
+BLOCK_MATMUL_MAX_TOKENS = 16
+
 
 def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, lw=None):
   """One decoder layer; lw: (the step's LoRA pool, this layer's index) or None."""
@@ -43,11 +49,18 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   # The pool is indexed by layer inside the ops, never sliced per layer: a scanned slice
   # of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
   lora_i = lambda i: None if lora is None else (lora, i)  # noqa: E731
+  # The block weights stay stacked and are read in place by layer index (never sliced);
+  # the float copies of those weights are then left out of the scanned inputs.
+  bl = block_weights(params, x.shape[0], "layers")
+  with_blocks = lambda p, i: p if bl is None else dict(p, blocks=(bl, i))  # noqa: E731
+  if isinstance(lp, dict):
+    lp = {k: v for k, v in lp.items() if bl is None or k not in bl}
   if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
 
     def body(x, xs):
       p, i = xs
-      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
+      x, k, v = layer(x, with_blocks(p, i), i, cfg, rope, pool, batch, attn_shape, backend,
+                      lora_i(i))
       return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
@@ -55,7 +68,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
     # (a static slice lp[:L] would copy L layers' weights on every call)
 
     def body_i(x, i):
-      p = jax.tree_util.tree_map(lambda a: a[i], lp)
+      p = with_blocks(jax.tree_util.tree_map(lambda a: a[i], lp), i)
       x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
       return x, (k, v)
 
@@ -63,7 +76,8 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):
-      x, k, v = layer(x, lp[i], i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
+      x, k, v = layer(x, with_blocks(lp[i], i), i, cfg, rope, pool, batch, attn_shape,
+                      backend, lora_i(i))
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)
@@ -71,9 +85,21 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   return x, ks, vs
 
 
+def block_weights(params, rows: int, part: str):
+  """params["blocks"][part] when this step (`rows` rows, static) reads the block weights."""
+  blocks = params.get("blocks")
+  if blocks is None or rows > BLOCK_MATMUL_MAX_TOKENS:
+    return None
+  return blocks.get(part)
+
+
 def lm_head(params, x):
   """x [S, D] -> logits [S, V] float32."""
-  if "lm_head" in params:
+  head = block_weights(params, x.shape[0], "lm_head")
+  if head is not None:
+    from pallas_kernels import block_matmul
+    logits = block_matmul.matmul(x, head["codes"], head["scales"])
+  elif "lm_head" in params:
     logits = x @ params["lm_head"]
   else:
     logits = jnp.einsum("sd,vd->sv", x, params["embed"])

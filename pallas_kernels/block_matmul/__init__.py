@@ -1,0 +1,108 @@
+"""Weight matmuls over GGUF block-quantized weights (SPEC 8.4.1), read in their own format.
+
+A weight W [N out, K in] is held as the file stores it, in blocks of 32 values along K:
+  q4_1: codes uint8 [(L,) N, K/2] (byte j of a block: value j low nibble, j+16 high) and
+        scales float32 [(L,) N, K/32, 2] = (d, m); w = d * q + m
+  q8_0: codes int8 [(L,) N, K] and scales float32 [(L,) N, K/32, 1] = d; w = d * q
+The scales are the file's fp16 values converted exactly, so `dequantize` gives the very
+float32 weights a dequantizing loader would, and `matmul` multiplies by those weights
+(reading 0.625 / 1.125 bytes per weight instead of 4). `matmul` is a native XLA:CPU custom
+call (cpu_matmul.cc); `reference` is its jnp oracle. A leading layer axis L with a
+`layer` index lets a scanned model read layer i in place.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+
+TARGET = "jaxinfer_block_matmul"
+FORMATS = {"q4_1": 0, "q8_0": 1}
+BLOCK = 32
+# Below this many multiply-adds a call runs on the calling thread alone (see the README's
+# Performance section for the measurement).
+MIN_PARALLEL_MACS = 1 << 18
+
+
+def available() -> bool:
+  return native.available()
+
+
+def format_of(codes, scales) -> str:
+  return "q4_1" if scales.shape[-1] == 2 else "q8_0"
+
+
+def from_gguf_blocks(raw: np.ndarray, fmt: str, rows: int, cols: int):
+  """The raw bytes of a GGUF tensor (rows x cols values, cols along the blocks) ->
+  (codes, scales) in this module's layout."""
+  nb = cols // BLOCK
+  raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, nb, -1)
+  if fmt == "q4_1":  # block: d fp16, m fp16, 16 code bytes
+    scales = raw[:, :, :4].copy().view(np.float16).astype(np.float32).reshape(rows, nb, 2)
+    codes = raw[:, :, 4:].reshape(rows, nb * 16)
+  elif fmt == "q8_0":  # block: d fp16, 32 int8 codes
+    scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(rows, nb, 1)
+    codes = raw[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
+  else:
+    raise ValueError(f"block format {fmt!r} is not one of {sorted(FORMATS)}")
+  return np.ascontiguousarray(codes), np.ascontiguousarray(scales)
+
+
+def quantize(w, fmt: str):
+  """float32 W [N, K] -> (codes, scales), rounding as GGML does (for random-weight models
+  and tests; a GGUF file's blocks are taken as they are by from_gguf_blocks)."""
+  w = np.asarray(w, np.float32)
+  N, K = w.shape
+  if K % BLOCK:
+    raise ValueError(f"block formats need K % {BLOCK} == 0; got K={K}")
+  b = w.reshape(N, K // BLOCK, BLOCK)
+  if fmt == "q4_1":
+    lo, hi = b.min(-1), b.max(-1)
+    d = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0)
+    q = np.clip(np.round((b - m[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(N, K // 2)
+    return codes, np.stack([d, m], -1)
+  if fmt == "q8_0":
+    d = (np.abs(b).max(-1) / 127).astype(np.float16).astype(np.float32)
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0)
+    q = np.clip(np.round(b * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(N, K), d[..., None]
+  raise ValueError(f"block format {fmt!r} is not one of {sorted(FORMATS)}")
+
+
+def dequantize(codes, scales):
+  """(codes, scales) of one layer -> float32 W [N, K] (the jnp oracle's weights)."""
+  N = codes.shape[0]
+  if format_of(codes, scales) == "q4_1":
+    c = codes.reshape(N, -1, 16).astype(jnp.int32)
+    q = jnp.concatenate([c & 15, c >> 4], axis=-1).astype(jnp.float32)  # [N, nb, 32]
+    w = q * scales[..., :1] + scales[..., 1:]
+  else:
+    w = codes.reshape(N, -1, BLOCK).astype(jnp.float32) * scales
+  return w.reshape(N, -1)
+
+
+def reference(x, codes, scales, layer=None):
+  """x [M, K] @ W^T in jnp: the oracle of `matmul`."""
+  if codes.ndim == 3:
+    codes, scales = codes[layer], scales[layer]
+  w = dequantize(codes, scales)
+  return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+def matmul(x, codes, scales, layer=None, *, min_parallel_macs: int = MIN_PARALLEL_MACS,
+           fused: bool = True):
+  """x [M, K] -> x @ W^T [M, N] float32 by the native call (CPU only; `available()`).
+  fused=False: always the portable panel path (decoded rows stored, then a 2 x 4 tile),
+  which otherwise runs only past 64 rows or without AVX-512 / AVX2."""
+  fmt = format_of(codes, scales)
+  N = codes.shape[-2]
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))
+  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+  return call(x.astype(jnp.float32), codes, scales.astype(jnp.float32), layer,
+              fmt=np.int32(FORMATS[fmt]), min_parallel_macs=np.int64(min_parallel_macs),
+              fused=bool(fused))

@@ -1,0 +1,368 @@
+// Weight matmul over GGUF block-quantized weights for XLA:CPU, as an XLA FFI custom call
+// (see block_matmul/__init__.py): y[M, N] = x[M, K] . W[N, K]^T with W kept in the file's
+// own blocks of 32 values along K (SPEC 8.4.1), never as a float32 copy.
+//
+//   q4_1: 16 code bytes per block (byte j holds value j in its low nibble and value j+16
+//         in its high nibble) and a (d, m) pair per block: w = d * q + m
+//   q8_0: 32 signed code bytes per block and a scale d per block: w = d * q
+//
+// The scales arrive as float32 (converted from the file's fp16 exactly), so each weight
+// here equals the dequantized float32 weight bit for bit (d * q is exact in float32);
+// only the order of the sums differs from a float32 matmul.
+//
+// Work: row panels of 4 weight rows are decoded into an L1 buffer once per block of up to
+// 32 x rows, then a 2 x 4 register tile of sums runs over K. Items (x block, panel group)
+// are taken from a shared counter by the caller and by tasks on XLA's intra-op pool, as in
+// cpu_decode.cc. The weights may carry a leading layer axis ([L, N, ...]) with the layer
+// passed as an operand, so a scanned model reads layer i in place (no slice copy).
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Format : int32_t { kQ4_1 = 0, kQ8_0 = 1 };
+constexpr int kBlock = 32;
+constexpr int kPanel = 4;     // weight rows decoded together
+constexpr int kRowsPerItem = 32;  // weight rows per work item (8 panels)
+constexpr int kFused512 = 64;  // x rows up to which the AVX-512 path decodes in registers
+constexpr int kXBlock = 32;
+constexpr int kMinParallelItems = 8;   // x rows per work item: 32 x 1536 f32 = 192 KiB (L2)
+
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+inline V8 Load(const float* p) { return *reinterpret_cast<const V8*>(p); }
+inline float Sum(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+struct Args {
+  const float* x;
+  const uint8_t* codes;  // this layer's [N, K * bits / 8]
+  const float* scales;   // this layer's [N, K / 32, S]
+  float* y;
+  int64_t M, N, K, row_bytes, row_scales;
+  Format fmt;
+  int64_t x_blocks, row_items;
+  bool fused;  // false: the panel path only (tests cover it on any CPU)
+};
+
+// Decodes weight row n into out[K].
+void DecodeRow(const Args& a, int64_t n, float* out) {
+  const uint8_t* c = a.codes + n * a.row_bytes;
+  const float* s = a.scales + n * a.row_scales;
+  const int64_t nb = a.K / kBlock;
+  if (a.fmt == kQ4_1) {
+    for (int64_t b = 0; b < nb; ++b, c += 16, out += kBlock) {
+      const float d = s[2 * b], m = s[2 * b + 1];
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      const __m128i lo = _mm_and_si128(raw, mask);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+      const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+      auto put = [&](__m128i bytes, float* dst) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        _mm256_storeu_ps(dst, _mm256_fmadd_ps(q, vd, vm));
+      };
+      put(lo, out);
+      put(_mm_srli_si128(lo, 8), out + 8);
+      put(hi, out + 16);
+      put(_mm_srli_si128(hi, 8), out + 24);
+#else
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * static_cast<float>(c[j] & 15) + m;
+        out[j + 16] = d * static_cast<float>(c[j] >> 4) + m;
+      }
+#endif
+    }
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(c);
+    for (int64_t b = 0; b < nb; ++b, q += kBlock, out += kBlock) {
+      const float d = s[b];
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 vd = _mm256_set1_ps(d);
+      for (int j = 0; j < kBlock; j += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
+        _mm256_storeu_ps(out + j,
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd));
+      }
+#else
+      for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(q[j]);
+#endif
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One or two x rows (MM): each weight row is decoded in registers and used at once, with
+// no store of the decoded row (the panel path's stores and reloads cost more than the
+// sums when only one or two rows use them). Accumulators: one per 8 lanes of a block and
+// per x row, so the FMA chains stay independent.
+template <int MM>
+void RowsFused(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t nb = a.K / kBlock;
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = a.codes + n * a.row_bytes;
+    const float* s = a.scales + n * a.row_scales;
+    __m256 acc[MM][4];
+    for (int m = 0; m < MM; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      if (a.fmt == kQ4_1) {
+        const __m256 vd = _mm256_set1_ps(s[2 * b]), vm = _mm256_set1_ps(s[2 * b + 1]);
+        const __m128i r0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 16 * b));
+        const __m128i r1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 16 * b + 8));
+        const __m128i q[4] = {_mm_and_si128(r0, mask), _mm_and_si128(r1, mask),
+                              _mm_and_si128(_mm_srli_epi16(r0, 4), mask),
+                              _mm_and_si128(_mm_srli_epi16(r1, 4), mask)};
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])), vd, vm);
+      } else {
+        const __m256 vd = _mm256_set1_ps(s[b]);
+        const uint8_t* qb = c + kBlock * b;
+        for (int j = 0; j < 4; ++j) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j));
+          w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
+        }
+      }
+      for (int m = 0; m < MM; ++m) {
+        const float* x = a.x + (m0 + m) * a.K + kBlock * b;
+        for (int j = 0; j < 4; ++j)
+          acc[m][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + 8 * j), acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const __m256 t = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                                     _mm256_add_ps(acc[m][2], acc[m][3]));
+      V8 v;
+      std::memcpy(&v, &t, sizeof(v));
+      a.y[(m0 + m) * a.N + n] = Sum(v);
+    }
+  }
+}
+#endif
+
+#if defined(__x86_64__)
+// The same with 16 lanes where the CPU has AVX-512 (checked at run time; the library is
+// built for AVX2): a block is two vectors, half the instructions per weight.
+template <int MM>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void RowsFused512(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t nb = a.K / kBlock;
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = a.codes + n * a.row_bytes;
+    const float* s = a.scales + n * a.row_scales;
+    __m512 acc[MM][2];
+    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 w0, w1;
+      if (a.fmt == kQ4_1) {
+        const __m512 vd = _mm512_set1_ps(s[2 * b]), vm = _mm512_set1_ps(s[2 * b + 1]);
+        const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
+        const __m128i lo = _mm_and_si128(r, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(r, 4), mask);
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, vm);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, vm);
+      } else {
+        const __m512 vd = _mm512_set1_ps(s[b]);
+        const __m128i* qb = reinterpret_cast<const __m128i*>(c + kBlock * b);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), vd);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))),
+                           vd);
+      }
+      for (int m = 0; m < MM; ++m) {
+        const float* x = a.x + (m0 + m) * a.K + kBlock * b;
+        acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[m][1]);
+      }
+    }
+    for (int m = 0; m < MM; ++m)
+      a.y[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl");
+#endif
+
+// y rows m0..m1 of a 4-column panel from the decoded rows w[4][K]; row m of the panel's
+// output starts at y + (m - m0) * ldy.
+void Panel(const Args& a, const float* w, float* y, int64_t ldy, int64_t m0, int64_t m1) {
+  const int64_t K = a.K;
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  int64_t m = m0;
+  for (; m + 2 <= m1; m += 2) {
+    const float* x0 = a.x + m * K;
+    const float* x1 = x0 + K;
+    V8 s00 = {}, s01 = {}, s02 = {}, s03 = {}, s10 = {}, s11 = {}, s12 = {}, s13 = {};
+    for (int64_t k = 0; k < K; k += 8) {
+      const V8 a0 = Load(x0 + k), a1 = Load(x1 + k);
+      const V8 b0 = Load(w0 + k), b1 = Load(w1 + k), b2 = Load(w2 + k), b3 = Load(w3 + k);
+      s00 += a0 * b0; s01 += a0 * b1; s02 += a0 * b2; s03 += a0 * b3;
+      s10 += a1 * b0; s11 += a1 * b1; s12 += a1 * b2; s13 += a1 * b3;
+    }
+    float* y0 = y + (m - m0) * ldy;
+    float* y1 = y0 + ldy;
+    y0[0] = Sum(s00); y0[1] = Sum(s01); y0[2] = Sum(s02); y0[3] = Sum(s03);
+    y1[0] = Sum(s10); y1[1] = Sum(s11); y1[2] = Sum(s12); y1[3] = Sum(s13);
+  }
+  if (m < m1) {
+    const float* x0 = a.x + m * K;
+    V8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    for (int64_t k = 0; k < K; k += 8) {
+      const V8 a0 = Load(x0 + k);
+      s0 += a0 * Load(w0 + k); s1 += a0 * Load(w1 + k);
+      s2 += a0 * Load(w2 + k); s3 += a0 * Load(w3 + k);
+    }
+    float* y0 = y + (m - m0) * ldy;
+    y0[0] = Sum(s0); y0[1] = Sum(s1); y0[2] = Sum(s2); y0[3] = Sum(s3);
+  }
+}
+
+void Item(const Args& a, int64_t item, std::vector<float>& buf) {
+  const int64_t xb = item % a.x_blocks, rb = item / a.x_blocks;
+  const int64_t m0 = xb * kXBlock, m1 = std::min<int64_t>(a.M, m0 + kXBlock);
+  const int64_t n_end = std::min<int64_t>(a.N, (rb + 1) * kRowsPerItem);
+#if defined(__x86_64__)
+  if (a.fused && kHasAvx512 && m1 - m0 <= kFused512) {
+    // groups of up to 8 x rows; each group decodes the item's weight rows again
+    for (int64_t g = m0; g < m1; g += 8) {
+      const int64_t n0 = rb * kRowsPerItem;
+      switch (std::min<int64_t>(8, m1 - g)) {
+        case 1: RowsFused512<1>(a, n0, n_end, g); break;
+        case 2: RowsFused512<2>(a, n0, n_end, g); break;
+        case 3: RowsFused512<3>(a, n0, n_end, g); break;
+        case 4: RowsFused512<4>(a, n0, n_end, g); break;
+        case 5: RowsFused512<5>(a, n0, n_end, g); break;
+        case 6: RowsFused512<6>(a, n0, n_end, g); break;
+        case 7: RowsFused512<7>(a, n0, n_end, g); break;
+        default: RowsFused512<8>(a, n0, n_end, g); break;
+      }
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (a.fused && m1 - m0 <= 2) {
+    if (m1 - m0 == 1) {
+      RowsFused<1>(a, rb * kRowsPerItem, n_end, m0);
+    } else {
+      RowsFused<2>(a, rb * kRowsPerItem, n_end, m0);
+    }
+    return;
+  }
+#endif
+  buf.resize(kPanel * a.K);
+  for (int64_t n0 = rb * kRowsPerItem; n0 < n_end; n0 += kPanel) {
+    for (int r = 0; r < kPanel; ++r) {
+      if (n0 + r < a.N) {
+        DecodeRow(a, n0 + r, buf.data() + r * a.K);
+      } else {
+        std::memset(buf.data() + r * a.K, 0, sizeof(float) * a.K);
+      }
+    }
+    if (n0 + kPanel <= a.N) {
+      Panel(a, buf.data(), a.y + m0 * a.N + n0, a.N, m0, m1);
+    } else {  // the last rows of N (N % 4 != 0): into a scratch panel, copied in part
+      std::vector<float> tmp(kPanel * (m1 - m0));
+      Panel(a, buf.data(), tmp.data(), kPanel, m0, m1);
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t r = 0; n0 + r < a.N; ++r) a.y[m * a.N + n0 + r] = tmp[(m - m0) * kPanel + r];
+    }
+  }
+}
+
+struct Shared {
+  Args args;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(Shared* sh) {
+  thread_local std::vector<float> buf;
+  for (;;) {
+    const int64_t i = sh->next.fetch_add(1);
+    if (i >= sh->items) return;
+    Item(sh->args, i, buf);
+    sh->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
+                      ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t fmt,
+                      int64_t min_parallel_macs, bool fused) {
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  const auto sd = scales.dimensions();
+  if (xd.size() != 2 || (cd.size() != 2 && cd.size() != 3) || sd.size() != cd.size() + 1)
+    return ffi::Error::InvalidArgument("block matmul: x [M, K], codes [(L,) N, C], scales "
+                                       "[(L,) N, K/32, S] expected");
+  if (fmt != kQ4_1 && fmt != kQ8_0)
+    return ffi::Error::InvalidArgument("block matmul: fmt must be 0 (q4_1) or 1 (q8_0)");
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->args;
+  a.fmt = static_cast<Format>(fmt);
+  a.fused = fused;
+  a.M = xd[0];
+  a.K = xd[1];
+  const bool stacked = cd.size() == 3;
+  const int64_t L = stacked ? cd[0] : 1;
+  a.N = cd[stacked ? 1 : 0];
+  a.row_bytes = cd[stacked ? 2 : 1];
+  const int64_t per = a.fmt == kQ4_1 ? 2 : 1;
+  a.row_scales = sd[sd.size() - 2] * sd[sd.size() - 1];
+  if (a.K % kBlock || a.row_bytes * (a.fmt == kQ4_1 ? 2 : 1) != a.K ||
+      sd[sd.size() - 2] != a.K / kBlock || sd[sd.size() - 1] != per)
+    return ffi::Error::InvalidArgument("block matmul: codes / scales do not match K");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("block matmul: layer outside L");
+  a.codes = static_cast<const uint8_t*>(codes.untyped_data()) + l * a.N * a.row_bytes;
+  a.scales = scales.typed_data() + l * a.N * a.row_scales;
+  a.x = x.typed_data();
+  a.y = y->typed_data();
+  a.x_blocks = (a.M + kXBlock - 1) / kXBlock;
+  a.row_items = (a.N + kRowsPerItem - 1) / kRowsPerItem;
+  sh->items = a.x_blocks * a.row_items;
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  // Few items (K and V projections: 192 rows = 6 items) split unevenly between threads;
+  // measured slower with helpers at batch 4 (see block_matmul/__init__.py).
+  int64_t helpers = a.M * a.N * a.K >= min_parallel_macs && sh->items >= kMinParallelItems
+                        ? pool.num_threads() : 0;
+  if (helpers > sh->items - 1) helpers = sh->items - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
+  Drain(sh.get());
+  while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxinferBlockMatmul, MatmulImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+        .Arg<ffi::AnyBuffer>()          // codes [(L,) N, K/2 (q4_1) or K (q8_0)] uint8/int8
+        .Arg<ffi::Buffer<ffi::F32>>()   // scales [(L,) N, K/32, 2 (q4_1) or 1 (q8_0)]
+        .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+        .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+        .Attr<int32_t>("fmt")
+        .Attr<int64_t>("min_parallel_macs")
+        .Attr<bool>("fused"));

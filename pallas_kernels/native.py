@@ -1,0 +1,117 @@
+"""The project's native CPU library: every `*.cc` XLA FFI handler, built and registered once.
+
+Two custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc) and
+`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc). The library is compiled on first use
+with the machine's C++ compiler (about 6 s) into the cache (`$JAXINFER_CACHE/native`,
+default ~/.cache/jaxinfer/native), keyed by the sources, the flags, the compiler and jax's
+version, and written atomically so concurrent processes can build it at once. Without a
+compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
+JAXINFER_NATIVE_DECODE=0), `available()` is False and callers keep their XLA-op paths
+(logged once).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
+           os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"))
+# custom-call target -> the handler symbol the library exports
+TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
+           "jaxinfer_block_matmul": "JaxinferBlockMatmul"}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cxx() -> str | None:
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _flags() -> list:
+  flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+           "-ffp-contract=fast"]
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = f.read()
+  except OSError:
+    cpu = ""
+  if platform.machine() in ("x86_64", "AMD64") and " avx2" in cpu and " fma" in cpu \
+      and " f16c" in cpu:
+    flags.append("-march=x86-64-v3")  # AVX2 + FMA; not -march=native (see install_peers.sh)
+  return flags
+
+
+def _cache_dir() -> str:
+  root = os.environ.get("JAXINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                          "jaxinfer")
+  return os.path.join(root, "native")
+
+
+def build() -> str:
+  """Compile the library if the cache lacks it; returns its path. Raises RuntimeError with
+  the compiler's output when the build fails."""
+  cxx = _cxx()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+  flags = _flags()
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  parts = [" ".join(flags).encode(), version.encode(), jax.__version__.encode()]
+  for src in SOURCES:
+    with open(src, "rb") as f:
+      parts.append(f.read())
+  key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+  out = os.path.join(_cache_dir(), f"jaxinfer_cpu-{key}.so")
+  if os.path.exists(out):
+    return out
+  os.makedirs(_cache_dir(), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+  os.close(fd)
+  cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
+  res = subprocess.run(cmd, capture_output=True, text=True)
+  if res.returncode:
+    os.unlink(tmp)
+    raise RuntimeError(f"building the native CPU library failed ({' '.join(cmd)}):\n"
+                       f"{res.stderr[-4000:]}")
+  os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+  return out
+
+
+def disabled() -> bool:
+  return "0" in (os.environ.get("JAXINFER_NATIVE", "1"),
+                 os.environ.get("JAXINFER_NATIVE_DECODE", "1"))
+
+
+def available() -> bool:
+  """Whether the custom calls are registered for the CPU platform (built on first call)."""
+  if disabled():
+    return False
+  with _lock:
+    if "ok" not in _state:
+      _state["ok"] = False
+      if not sys.platform.startswith("linux"):
+        log.warning("native CPU library: only built on Linux; using XLA ops")
+        return False
+      try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        for target, symbol in TARGETS.items():
+          jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                      platform="cpu")
+        _state["lib"] = lib  # keep the library loaded
+        _state["ok"] = True
+      except (RuntimeError, OSError, AttributeError) as e:
+        log.warning("native CPU library unavailable (%s); using XLA ops", e)
+    return _state["ok"]

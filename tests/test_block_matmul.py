@@ -1,0 +1,115 @@
+"""The GGUF block matmul (pallas_kernels/block_matmul) against its jnp oracle, the GGUF
+blocks against the dense loader's weights, and weight_format="gguf" end to end."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels import block_matmul as bm
+
+pytestmark = pytest.mark.skipif(not bm.available() or jax.default_backend() != "cpu",
+                                reason="the block matmul is a native XLA:CPU call")
+
+
+def _weights(rng, L, N, K, fmt):
+  w = (rng.standard_normal((L, N, K)) * 0.1).astype(np.float32)
+  cs = [bm.quantize(w[i], fmt) for i in range(L)]
+  return np.stack([c for c, _ in cs]), np.stack([s for _, s in cs])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_matmul_matches_reference(fmt, fused):
+  """Every row count the paths split on (1-8 registers' groups, 16, 17, past one 32-row
+  x block, past the fused limit of 64), N not a multiple of the 4-row panel, a stacked
+  layer read by index."""
+  rng = np.random.default_rng(0)
+  codes, scales = _weights(rng, 3, 70, 96, fmt)
+  for M in (1, 2, 3, 5, 8, 9, 16, 17, 33, 70):
+    x = rng.standard_normal((M, 96)).astype(np.float32)
+    for layer in (0, 2):
+      got = np.asarray(jax.jit(lambda x, c, s, i: bm.matmul(x, c, s, i, fused=fused))(
+          x, codes, scales, layer))
+      want = np.asarray(bm.reference(x, codes, scales, layer))
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                 err_msg=f"{fmt} M={M} layer={layer}")
+
+
+def test_threads_agree_with_one_thread():
+  """Large enough for the helper threads (a row split across the pool) and not."""
+  rng = np.random.default_rng(1)
+  codes, scales = _weights(rng, 1, 512, 576, "q4_1")
+  x = rng.standard_normal((4, 576)).astype(np.float32)
+  one = bm.matmul(x, codes[0], scales[0], min_parallel_macs=1 << 62)
+  many = bm.matmul(x, codes[0], scales[0], min_parallel_macs=1)
+  np.testing.assert_array_equal(np.asarray(one), np.asarray(many))
+
+
+def test_quantize_round_trip_is_within_half_a_step():
+  rng = np.random.default_rng(2)
+  w = rng.standard_normal((8, 64)).astype(np.float32)
+  for fmt, steps in (("q4_1", 15), ("q8_0", 254)):
+    back = np.asarray(bm.dequantize(*bm.quantize(w, fmt)))
+    span = np.ptp(w.reshape(8, 2, 32), axis=-1) if fmt == "q4_1" else \
+        2 * np.abs(w.reshape(8, 2, 32)).max(-1)
+    err = np.abs(back - w).reshape(8, 2, 32).max(-1)
+    assert (err <= span / steps * 0.5 + 1e-3).all(), fmt
+
+
+def test_bad_format_is_named():
+  with pytest.raises(ValueError, match="q5_1"):
+    bm.quantize(np.zeros((4, 32), np.float32), "q5_1")
+  with pytest.raises(ValueError, match="K=33"):
+    bm.quantize(np.zeros((4, 33), np.float32), "q8_0")
+
+
+def test_gguf_blocks_are_the_dense_weights_bit_for_bit(smollm2):
+  """Q4_1 layers (q and k rows un-permuted like the dense ones) and the Q8_0 tied head."""
+  from jaxinfer.loading import gguf_loader
+  reader = gguf_loader.open_gguf(smollm2.source)
+  blocks = gguf_loader.load_blocks(reader, smollm2.cfg)
+  lp = smollm2.params["layers"]
+  assert sorted(blocks["layers"]) == sorted(["wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                             "w_down"])
+  for name, b in blocks["layers"].items():
+    for i in (0, smollm2.cfg.num_layers - 1):
+      w = np.asarray(bm.dequantize(b["codes"][i], b["scales"][i]))
+      np.testing.assert_array_equal(w.T, np.asarray(lp[name][i]), err_msg=f"{name}[{i}]")
+  head = np.asarray(bm.dequantize(blocks["lm_head"]["codes"], blocks["lm_head"]["scales"]))
+  np.testing.assert_array_equal(head, np.asarray(smollm2.params["embed"]))
+
+
+def test_weight_format_errors_name_the_field(smollm2, tmp_path):
+  from jaxinfer import LLM
+  from jaxinfer.loading.registry import with_weight_format
+  with pytest.raises(ValueError, match="weight_format must be one of .*'int4'"):
+    LLM(smollm2, weight_format="int4", warmup=False)
+  from jaxinfer.costmodel.offload import OffloadConfig
+  with pytest.raises(ValueError, match="weight_format='gguf' runs on one device without "
+                     "weight offload"):
+    LLM(smollm2, weight_format="gguf", offload=OffloadConfig(layers=(1,)), warmup=False)
+  import dataclasses
+  not_gguf = dataclasses.replace(smollm2, source=str(tmp_path))
+  with pytest.raises(ValueError, match="needs a .gguf model"):
+    with_weight_format(not_gguf, "gguf")
+  gg = with_weight_format(smollm2, "gguf")
+  assert "blocks" in gg.params and "blocks" not in smollm2.params
+  assert "blocks" not in with_weight_format(gg, "dense").params
+
+
+def test_gguf_engine_batch_matches_full_recompute(smollm2):
+  """Four short prompts at once with weight_format="gguf": their prefill (12 tokens) and
+  every batched decode step read the blocks; the oracle recomputes each sequence from
+  scratch with the dense weights (a 64-token step), greedy."""
+  from helpers import recompute_greedy
+  from jaxinfer import LLM
+  from jaxinfer.config import SamplingParams
+  prompts = [[1, 504, 3458, 282], [1, 9707, 28], [1, 5248, 314, 1862, 30, 2],
+             [1, 2]]
+  llm = LLM(smollm2, weight_format="gguf", warmup=False, num_pages=64,
+            max_num_batched_tokens=16, max_num_seqs=4)
+  assert "blocks" in llm.model.params
+  outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+  for p, o in zip(prompts, outs):
+    assert o.token_ids == recompute_greedy(smollm2.cfg, smollm2.params, p, 10), p
