@@ -70,12 +70,12 @@ def test_gguf_blocks_are_the_dense_weights_bit_for_bit(smollm2):
   reader = gguf_loader.open_gguf(smollm2.source)
   blocks = gguf_loader.load_blocks(reader, smollm2.cfg)
   lp = smollm2.params["layers"]
-  assert sorted(blocks["layers"]) == sorted(["wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                             "w_down"])
+  assert sorted(blocks["layers"]) == sorted(["wq+wk+wv", "wo", "w_gate+w_up", "w_down"])
   for name, b in blocks["layers"].items():
     for i in (0, smollm2.cfg.num_layers - 1):
       w = np.asarray(bm.dequantize(b["codes"][i], b["scales"][i]))
-      np.testing.assert_array_equal(w.T, np.asarray(lp[name][i]), err_msg=f"{name}[{i}]")
+      dense = np.concatenate([np.asarray(lp[n][i]) for n in name.split("+")], axis=1)
+      np.testing.assert_array_equal(w.T, dense, err_msg=f"{name}[{i}]")
   head = np.asarray(bm.dequantize(blocks["lm_head"]["codes"], blocks["lm_head"]["scales"]))
   np.testing.assert_array_equal(head, np.asarray(smollm2.params["embed"]))
 

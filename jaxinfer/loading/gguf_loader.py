@@ -156,9 +156,13 @@ def _blocks_of(t):
   return block_matmul.from_gguf_blocks(raw, kind.lower(), rows, cols)
 
 
+FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"))
+
+
 def load_blocks(reader, cfg: ModelConfig):
   """The file's matmul weights in their own blocks: {"layers": {name: {"codes": [L, N, C],
-  "scales": [L, N, K/32, S]}}, "lm_head": {...}} as numpy arrays (N = out, K = in)."""
+  "scales": [L, N, K/32, S]}}, "lm_head": {...}} as numpy arrays (N = out, K = in); the
+  groups of FUSED_GROUPS under one name ("wq+wk+wv": q rows, then k, then v)."""
   permuted = field(reader, "general.architecture") == "llama"
   per_layer: dict = {}
   head = None
@@ -180,6 +184,15 @@ def load_blocks(reader, cfg: ModelConfig):
       raise ModelLoadError(f"GGUF file lacks {name} of some layers")
     layers[name] = {"codes": np.stack([got[i][0] for i in range(cfg.num_layers)]),
                     "scales": np.stack([got[i][1] for i in range(cfg.num_layers)])}
+  # Projections of the same input in one matrix (rows concatenated) where their formats
+  # agree: one native call each instead of three and two (lora.ops.project_group).
+  for group in FUSED_GROUPS:
+    parts = [layers.get(n) for n in group]
+    if all(w is not None for w in parts) and len({w["scales"].shape[2:] for w in parts}) == 1:
+      layers["+".join(group)] = {
+          k: np.concatenate([w[k] for w in parts], axis=1) for k in ("codes", "scales")}
+      for n in group:
+        del layers[n]
   out = {"layers": layers}
   if head is not None:
     out["lm_head"] = {"codes": head[0], "scales": head[1]}

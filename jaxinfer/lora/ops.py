@@ -140,14 +140,29 @@ def project(x, p, name: str, lw, batch):
   """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
   (lw = (pool, layer index)). p["blocks"] = (the stacked GGUF block weights, layer index)
   when this step reads the file's own blocks (weight_format="gguf", transformer.py)."""
+  return project_group(x, p, (name,), None, lw, batch)[0]
+
+
+def project_group(x, p, names, sizes, lw, batch):
+  """[x @ p[n] (+ LoRA) for n in names], of `sizes` output features (None: equal). The
+  block weights may hold the group's rows as one matrix ("wq+wk+wv", "w_gate+w_up"): one
+  native call instead of several, its output split by `sizes`."""
   blocks = p.get("blocks")
-  if blocks is not None and name in blocks[0]:
+  fused = "+".join(names)
+  if blocks is not None and len(names) > 1 and fused in blocks[0]:
     from pallas_kernels import block_matmul
-    w = blocks[0][name]
+    w = blocks[0][fused]
     y = block_matmul.matmul(x, w["codes"], w["scales"], blocks[1]).astype(x.dtype)
+    outs = jnp.split(y, len(names) if sizes is None else np.cumsum(sizes)[:-1].tolist(),
+                     axis=-1)
+  elif blocks is not None and all(n in blocks[0] for n in names):
+    from pallas_kernels import block_matmul
+    outs = [block_matmul.matmul(x, blocks[0][n]["codes"], blocks[0][n]["scales"],
+                                blocks[1]).astype(x.dtype) for n in names]
   else:
-    y = x @ p[name]
-  if lw is not None and name in lw[0]:
+    outs = [x @ p[n] for n in names]
+  if lw is not None:
     pool, layer = lw
-    y = y + delta(x, pool[name]["a"], pool[name]["b"], layer, batch).astype(y.dtype)
-  return y
+    outs = [y + delta(x, pool[n]["a"], pool[n]["b"], layer, batch).astype(y.dtype)
+            if n in pool else y for n, y in zip(names, outs)]
+  return outs

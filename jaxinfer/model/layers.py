@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.lora.ops import project
+from jaxinfer.lora.ops import project, project_group
 
 
 def rms_norm(x, w, eps):
@@ -37,8 +37,7 @@ def apply_rope(x, cos, sin):
 def mlp(x, p, lw=None, batch=None):
   """lw: this layer's LoRA pool (a step carrying adapters), else None."""
   with jax.named_scope("mlp"):
-    g = project(x, p, "w_gate", lw, batch)  # [T, F]
-    u = project(x, p, "w_up", lw, batch)
+    g, u = project_group(x, p, ("w_gate", "w_up"), None, lw, batch)  # [T, F] each
     return project(jax.nn.silu(g) * u, p, "w_down", lw, batch)  # [T, D]
 
 
@@ -48,9 +47,8 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_sh
   T = x.shape[0]
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   with jax.named_scope("qkv"):
-    q = project(x, p, "wq", lw, batch).reshape(T, N, H)
-    k = project(x, p, "wk", lw, batch).reshape(T, K, H)
-    v = project(x, p, "wv", lw, batch).reshape(T, K, H)
+    q, k, v = project_group(x, p, ("wq", "wk", "wv"), (N * H, K * H, K * H), lw, batch)
+    q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)

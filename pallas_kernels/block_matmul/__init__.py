@@ -99,6 +99,9 @@ def matmul(x, codes, scales, layer=None, *, min_parallel_macs: int = MIN_PARALLE
   """x [M, K] -> x @ W^T [M, N] float32 by the native call (CPU only; `available()`).
   fused=False: always the portable panel path (decoded rows stored, then a 2 x 4 tile),
   which otherwise runs only past 64 rows or without AVX-512 / AVX2."""
+  if not available():  # also registers the call on first use
+    raise RuntimeError("the block matmul needs the native CPU library, which could not be "
+                       "built or is disabled (JAXINFER_NATIVE=0); see the log")
   fmt = format_of(codes, scales)
   N = codes.shape[-2]
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))

@@ -157,41 +157,77 @@ void RowsFused(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
 
 #if defined(__x86_64__)
 // The same with 16 lanes where the CPU has AVX-512 (checked at run time; the library is
-// built for AVX2): a block is two vectors, half the instructions per weight.
-template <int MM>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-void RowsFused512(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
+// built for AVX2): a block is two vectors. RR weight rows at a time share each x load
+// and keep 2 * RR * MM independent FMA chains (one chain per block stalls on the FMA's
+// latency: measured 12.7 vs 14.7+ Gw/s at one x row).
+#define JX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+template <Format F>
+JX_AVX512 inline void DecodeBlock512(const uint8_t* c, const float* s, int64_t b, __m512 iota,
+                                     __m512* w0, __m512* w1) {
+  if (F == kQ4_1) {
+    // the block's 16 possible weights d * j + m in one register, looked up by nibble:
+    // vpermps reads only an index's low 4 bits, so byte i widened to lane i indexes its
+    // low nibble, and the same shifted right by 4 its high nibble (d * j + m rounds once,
+    // as the float32 dequantization does)
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * b]),
+                                         _mm512_set1_ps(s[2 * b + 1]));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b)));
+    *w0 = _mm512_permutexvar_ps(bytes, table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  } else {
+    const __m512 vd = _mm512_set1_ps(s[b]);
+    const __m128i* qb = reinterpret_cast<const __m128i*>(c + kBlock * b);
+    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), vd);
+    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))),
+                        vd);
+  }
+}
+
+template <Format F, int MM, int RR>
+JX_AVX512 void RowsFused512(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t nb = a.K / kBlock;
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = a.codes + n * a.row_bytes;
-    const float* s = a.scales + n * a.row_scales;
-    __m512 acc[MM][2];
-    for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t n = n0;
+  for (; n + RR <= n1; n += RR) {
+    __m512 acc[RR][MM][2];
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m512 w0, w1;
-      if (a.fmt == kQ4_1) {
-        const __m512 vd = _mm512_set1_ps(s[2 * b]), vm = _mm512_set1_ps(s[2 * b + 1]);
-        const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
-        const __m128i lo = _mm_and_si128(r, mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(r, 4), mask);
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, vm);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, vm);
-      } else {
-        const __m512 vd = _mm512_set1_ps(s[b]);
-        const __m128i* qb = reinterpret_cast<const __m128i*>(c + kBlock * b);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))),
-                           vd);
-      }
+      __m512 w0[RR], w1[RR];
+      for (int r = 0; r < RR; ++r)
+        DecodeBlock512<F>(a.codes + (n + r) * a.row_bytes, a.scales + (n + r) * a.row_scales,
+                          b, iota, &w0[r], &w1[r]);
       for (int m = 0; m < MM; ++m) {
         const float* x = a.x + (m0 + m) * a.K + kBlock * b;
-        acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[m][1]);
+        const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        for (int r = 0; r < RR; ++r) {
+          acc[r][m][0] = _mm512_fmadd_ps(w0[r], x0, acc[r][m][0]);
+          acc[r][m][1] = _mm512_fmadd_ps(w1[r], x1, acc[r][m][1]);
+        }
       }
     }
-    for (int m = 0; m < MM; ++m)
-      a.y[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m)
+        a.y[(m0 + m) * a.N + n + r] =
+            _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+  }
+  if (n < n1) RowsFused512<F, MM, 1>(a, n, n1, m0);
+}
+
+// x rows g.. g + mm (mm <= 8) against weight rows n0..n1.
+template <Format F>
+void Fused512(const Args& a, int64_t n0, int64_t n1, int64_t g, int64_t mm) {
+  switch (mm) {
+    case 1: RowsFused512<F, 1, 4>(a, n0, n1, g); break;
+    case 2: RowsFused512<F, 2, 2>(a, n0, n1, g); break;
+    case 3: RowsFused512<F, 3, 2>(a, n0, n1, g); break;
+    case 4: RowsFused512<F, 4, 2>(a, n0, n1, g); break;
+    case 5: RowsFused512<F, 5, 2>(a, n0, n1, g); break;
+    case 6: RowsFused512<F, 6, 2>(a, n0, n1, g); break;
+    case 7: RowsFused512<F, 7, 1>(a, n0, n1, g); break;
+    default: RowsFused512<F, 8, 1>(a, n0, n1, g); break;
   }
 }
 
@@ -242,16 +278,11 @@ void Item(const Args& a, int64_t item, std::vector<float>& buf) {
   if (a.fused && kHasAvx512 && m1 - m0 <= kFused512) {
     // groups of up to 8 x rows; each group decodes the item's weight rows again
     for (int64_t g = m0; g < m1; g += 8) {
-      const int64_t n0 = rb * kRowsPerItem;
-      switch (std::min<int64_t>(8, m1 - g)) {
-        case 1: RowsFused512<1>(a, n0, n_end, g); break;
-        case 2: RowsFused512<2>(a, n0, n_end, g); break;
-        case 3: RowsFused512<3>(a, n0, n_end, g); break;
-        case 4: RowsFused512<4>(a, n0, n_end, g); break;
-        case 5: RowsFused512<5>(a, n0, n_end, g); break;
-        case 6: RowsFused512<6>(a, n0, n_end, g); break;
-        case 7: RowsFused512<7>(a, n0, n_end, g); break;
-        default: RowsFused512<8>(a, n0, n_end, g); break;
+      const int64_t mm = std::min<int64_t>(8, m1 - g);
+      if (a.fmt == kQ4_1) {
+        Fused512<kQ4_1>(a, rb * kRowsPerItem, n_end, g, mm);
+      } else {
+        Fused512<kQ8_0>(a, rb * kRowsPerItem, n_end, g, mm);
       }
     }
     return;
