@@ -43,7 +43,8 @@ flags.DEFINE_list("engine_batches", ["64"], "host time per step: LLM.generate of
 flags.DEFINE_integer("engine_prompt", 128, "host time: prompt tokens")
 flags.DEFINE_integer("engine_new_tokens", 32, "host time: new tokens per prompt")
 flags.DEFINE_list("weight_formats", ["dense"], "dense (f32 weights) and/or gguf (the file's "
-                  "own Q4_1/Q8_0 blocks read in place at steps of few tokens; CPU)")
+                  "own Q4_1/Q8_0 blocks read in place; CPU): gguf rows only at batches up to "
+                  "transformer.BLOCK_MATMUL_MAX_TOKENS (larger steps use the dense weights)")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -64,6 +65,7 @@ def main(argv):
   from jaxinfer.executors.jax_executor import JaxExecutor
   from jaxinfer.kv import bytes_per_token
   from jaxinfer.loading import load_model
+  from jaxinfer.model import transformer
 
   for backend in FLAGS.attention:
     if backend not in ("xla", "reference", "pallas"):
@@ -122,6 +124,8 @@ def main(argv):
         if lc is not None and kv_format == "f32" and B == 1:
           tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for wf, backend in itertools.product(FLAGS.weight_formats, FLAGS.attention):
+          if wf == "gguf" and B > transformer.BLOCK_MATMUL_MAX_TOKENS:
+            continue  # such a step multiplies by the dense weights: the dense row
           bw_floor, c_floor = floors[wf]
           ex = JaxExecutor(cfg, params_of[wf], num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)

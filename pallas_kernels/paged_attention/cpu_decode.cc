@@ -17,6 +17,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +29,8 @@ enum Format : int32_t { kF32 = 0, kBF16 = 1, kFP8 = 2, kQ8_0 = 3, kQ4_0 = 4 };
 constexpr int kGroup = 32;
 constexpr int kMaxH = 256;
 constexpr int kMaxG = 16;
+constexpr int64_t kMinSplitTokens = 512;  // context tokens per split-K part, at least
+constexpr int64_t kMaxSplits = 8;
 
 float HalfToFloat(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
@@ -172,13 +175,19 @@ struct Args {
   float* out;
   int64_t R, N, K, G, H, pages_per_slot;
   float scale;
+  // Split-K over the context (flash-decoding) when there are fewer (slot, head) items
+  // than threads can share: each of `splits` parts of a slot's context is an item of its
+  // own, leaving (m, l, unnormalised acc) per query row in `part` [R, K, splits, G, H + 2]
+  // for the merge after the call's items are done.
+  int64_t splits = 1;
+  float* part = nullptr;
 };
 
 // One (slot, KV head): G query rows over the slot's cached tokens and its own new token.
 // HV = H / 8 and GG = G when known at compile time (SmolLM2: 8 and 3, Qwen3-8B: 16 and 4;
 // the accumulators then stay in registers), 0 for any other shape.
 template <int HV, int GG>
-void Attend(const Args& a, int64_t r, int64_t k) {
+void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
   const int64_t G = GG ? GG : a.G, ps = a.kp.ps;
   const int64_t hv = HV ? HV : a.H / 8;
   V8 q[kMaxG][kMaxH / 8], acc[kMaxG][kMaxH / 8];
@@ -192,6 +201,12 @@ void Attend(const Args& a, int64_t r, int64_t k) {
   const float* kn = a.k_new + (r * a.K + k) * a.H;
   const float* vn = a.v_new + (r * a.K + k) * a.H;
   for (int64_t g = 0; g < G; ++g) {
+    if (split > 0) {  // a later part of the context: an empty softmax state
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+      for (int64_t c = 0; c < hv; ++c) acc[g][c] = V8{0, 0, 0, 0, 0, 0, 0, 0};
+      continue;
+    }
     V8 d = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t c = 0; c < hv; ++c) {
       d += q[g][c] * Load(kn + 8 * c);
@@ -205,16 +220,23 @@ void Attend(const Args& a, int64_t r, int64_t k) {
   // table must not fault the process).
   int64_t n = a.cached_len[r];
   n = n < 0 ? 0 : (n > a.pages_per_slot * ps ? a.pages_per_slot * ps : n);
+  // this item's tokens [tb, n): whole pages of the slot's context
+  int64_t tb = 0;
+  if (a.splits > 1) {
+    const int64_t chunk = ((n + a.splits - 1) / a.splits + ps - 1) / ps * ps;
+    tb = split * chunk < n ? split * chunk : n;
+    n = tb + chunk < n ? tb + chunk : n;
+  }
   const int64_t lk = a.layer * a.K + k;
   const int32_t* pt = a.page_table + r * a.pages_per_slot;
   auto clip = [&](int64_t page) {
     return page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
   };
-  if (n > 0) {
-    a.kp.Prefetch(lk, clip(pt[0]));
-    a.vp.Prefetch(lk, clip(pt[0]));
+  if (n > tb) {
+    a.kp.Prefetch(lk, clip(pt[tb / ps]));
+    a.vp.Prefetch(lk, clip(pt[tb / ps]));
   }
-  for (int64_t t0 = 0; t0 < n; t0 += ps) {
+  for (int64_t t0 = tb; t0 < n; t0 += ps) {
     const int64_t page = clip(pt[t0 / ps]);
     if (t0 + ps < n) {
       a.kp.Prefetch(lk, clip(pt[t0 / ps + 1]));
@@ -257,6 +279,16 @@ void Attend(const Args& a, int64_t r, int64_t k) {
       }
     }
   }
+  if (a.splits > 1) {
+    for (int64_t g = 0; g < G; ++g) {
+      float* pg = a.part + (((r * a.K + k) * a.splits + split) * G + g) * (a.H + 2);
+      pg[0] = m[g];
+      pg[1] = l[g];
+      for (int64_t c = 0; c < hv; ++c)
+        for (int j = 0; j < 8; ++j) pg[2 + 8 * c + j] = acc[g][c][j];
+    }
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* og = a.out + (r * a.N + k * G + g) * a.H;
     const float inv = 1.0f / l[g];
@@ -266,7 +298,31 @@ void Attend(const Args& a, int64_t r, int64_t k) {
   }
 }
 
-using AttendFn = void (*)(const Args&, int64_t, int64_t);
+using AttendFn = void (*)(const Args&, int64_t, int64_t, int64_t);
+
+// out = the parts' softmax states combined: m = max m_s, l = sum l_s e^(m_s - m), acc alike.
+void Merge(const Args& a) {
+  for (int64_t r = 0; r < a.R; ++r)
+    for (int64_t q = 0; q < a.N; ++q) {
+      const int64_t k = q / a.G, g = q % a.G;
+      const float* p0 = a.part + ((r * a.K + k) * a.splits * a.G + g) * (a.H + 2);
+      const int64_t stride = a.G * (a.H + 2);
+      float m = -INFINITY;
+      for (int64_t s = 0; s < a.splits; ++s) m = p0[s * stride] > m ? p0[s * stride] : m;
+      float* o = a.out + (r * a.N + q) * a.H;
+      for (int64_t h = 0; h < a.H; ++h) o[h] = 0.0f;
+      float l = 0.0f;
+      for (int64_t s = 0; s < a.splits; ++s) {
+        const float* ps = p0 + s * stride;
+        if (ps[1] == 0.0f) continue;  // an empty part (past the slot's context)
+        const float w = std::exp(ps[0] - m);
+        l += ps[1] * w;
+        for (int64_t h = 0; h < a.H; ++h) o[h] += ps[2 + h] * w;
+      }
+      const float inv = 1.0f / l;
+      for (int64_t h = 0; h < a.H; ++h) o[h] *= inv;
+    }
+}
 
 template <int HV>
 AttendFn ForG(int64_t G) {
@@ -301,7 +357,8 @@ void Drain(Shared* sh) {
   for (;;) {
     const int64_t i = sh->next.fetch_add(1);
     if (i >= sh->items) return;
-    sh->fn(sh->args, i / sh->args.K, i % sh->args.K);
+    const int64_t rk = i / sh->args.splits;
+    sh->fn(sh->args, rk / sh->args.K, rk % sh->args.K, i % sh->args.splits);
     sh->done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -356,16 +413,27 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.vp.codes = v_codes.untyped_data();
   a.kp.scales = k_scales.untyped_data();
   a.vp.scales = v_scales.untyped_data();
-  sh->items = a.R * a.K;
   sh->fn = Select(a.H, a.G);
 
-  int64_t tokens = 0;
-  for (int64_t r = 0; r < a.R; ++r) tokens += a.cached_len[r];
-  int64_t helpers = tokens * a.K >= min_parallel_tokens ? pool.num_threads() : 0;
+  int64_t tokens = 0, longest = 0;
+  for (int64_t r = 0; r < a.R; ++r) {
+    tokens += a.cached_len[r];
+    longest = a.cached_len[r] > longest ? a.cached_len[r] : longest;
+  }
+  const bool parallel = tokens * a.K >= min_parallel_tokens;
+  std::vector<float> part;
+  if (parallel && a.R * a.K < 2 * (pool.num_threads() + 1) && longest >= 2 * kMinSplitTokens) {
+    a.splits = std::min<int64_t>(kMaxSplits, longest / kMinSplitTokens);
+    part.resize(a.R * a.K * a.splits * a.G * (a.H + 2));
+    a.part = part.data();
+  }
+  sh->items = a.R * a.K * a.splits;
+  int64_t helpers = parallel ? pool.num_threads() : 0;
   if (helpers > sh->items - 1) helpers = sh->items - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
   Drain(sh.get());
   while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  if (a.splits > 1) Merge(a);
   return ffi::Error::Success();
 }
 
