@@ -34,19 +34,25 @@ def test_smollm2_logits_match_hf(smollm2, hf_smollm2):
   assert _rel(ours, ref) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2, hf_smollm2):
+  """HF's 32 greedy tokens after PROMPT (computed once for both weight formats)."""
+  import torch
+  ids = smollm2.tokenizer.encode(PROMPT)
+  with torch.no_grad():
+    return ids, hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                    min_new_tokens=32)[0, len(ids):].tolist()
+
+
 @pytest.mark.parametrize("weight_format", ["dense", "gguf"])
-def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2, weight_format):
+def test_smollm2_greedy_matches_hf(smollm2, hf_greedy, weight_format):
   """gguf: the decode steps multiply by the file's own Q4_1 / Q8_0 blocks (the prompt's
   step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy."""
-  import torch
   from pallas_kernels import block_matmul
   if weight_format == "gguf" and not block_matmul.available():
     pytest.skip("the block matmul needs the native CPU library")
   from jaxinfer.llm import LLM
-  ids = smollm2.tokenizer.encode(PROMPT)
-  with torch.no_grad():
-    ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                              min_new_tokens=32)[0, len(ids):].tolist()
+  ids, ref = hf_greedy
   llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, weight_format=weight_format)
   from jaxinfer.config import SamplingParams
   out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
