@@ -105,6 +105,13 @@ def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters)
             lora_adapters={"A": adapters["A"]})
   out = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
   assert out.token_ids == hf_greedy
+  from pallas_kernels import block_matmul
+  if block_matmul.available():  # the adapters over the GGUF blocks (fused q,k,v and gate,up;
+    # the prompt's 9 tokens and every decode step read them)
+    llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+              lora_adapters={"A": adapters["A"]}, weight_format="gguf")
+    out = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
+    assert out.token_ids == hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ class JaxExecutor:
     self.streamer = None
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
-      bpp = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
+      bpp = np.dtype(params["embed"].dtype).itemsize
       self.streamer = LayerStreamer(cfg, params, offload, bpp)
       self.params = None  # the device keeps only the streamer's resident weights
     self.max_loras = int(max_loras)
@@ -107,7 +107,9 @@ class JaxExecutor:
     for t in targets:
       if t not in LORA_TARGETS:
         raise ValueError(f"unknown LoRA target {t!r}; choose from {LORA_TARGETS}")
-    dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
+    # the compute dtype: the embedding's (the first leaf may be a uint8 block of
+    # weight_format="gguf": a pool of that dtype held zeros for every adapter)
+    dtype = self.params["embed"].dtype
     self.lora_rank, self.lora_targets = rank, targets
     self.lora_pool = jax.device_put(
         lora_ops.allocate(self.cfg, targets, self.max_loras, rank, dtype), self.devices[0])

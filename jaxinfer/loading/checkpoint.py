@@ -36,11 +36,11 @@ def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str =
   os.makedirs(path, exist_ok=True)
   from jaxinfer.model.params import stack_layers
   ckpt = ocp.StandardCheckpointer()
-  params = stack_layers(params)
+  # the GGUF block weights (weight_format="gguf") are read from their file again, not saved
+  params = stack_layers({k: v for k, v in params.items() if k != "blocks"})
   ckpt.save(os.path.join(path, "params"), params, force=True)
   ckpt.wait_until_finished()
-  import jax
-  dtype = jax.tree_util.tree_leaves(params)[0].dtype
+  dtype = params["embed"].dtype
   with open(os.path.join(path, "checksum"), "w") as f:
     f.write(f"{params_checksum(params)} {dtype}")
   with open(os.path.join(path, "model_config.json"), "w") as f:
