@@ -53,8 +53,9 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   # the float copies of those weights are then left out of the scanned inputs.
   bl = block_weights(params, x.shape[0], "layers")
   with_blocks = lambda p, i: p if bl is None else dict(p, blocks=(bl, i))  # noqa: E731
-  if isinstance(lp, dict):
-    lp = {k: v for k, v in lp.items() if bl is None or k not in bl}
+  if isinstance(lp, dict) and bl is not None:
+    covered = {n for key in bl for n in key.split("+")}  # "wq+wk+wv" covers wq, wk, wv
+    lp = {k: v for k, v in lp.items() if k not in covered}
   if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
 
     def body(x, xs):

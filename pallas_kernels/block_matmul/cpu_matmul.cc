@@ -10,11 +10,14 @@
 // here equals the dequantized float32 weight bit for bit (d * q is exact in float32);
 // only the order of the sums differs from a float32 matmul.
 //
-// Work: row panels of 4 weight rows are decoded into an L1 buffer once per block of up to
-// 32 x rows, then a 2 x 4 register tile of sums runs over K. Items (x block, panel group)
-// are taken from a shared counter by the caller and by tasks on XLA's intra-op pool, as in
-// cpu_decode.cc. The weights may carry a leading layer axis ([L, N, ...]) with the layer
-// passed as an operand, so a scanned model reads layer i in place (no slice copy).
+// Work items are (block of up to 32 x rows, 32 weight rows), taken from a shared counter
+// by the caller and by tasks on XLA's intra-op pool (as in cpu_decode.cc). Paths, chosen
+// per item: on AVX-512 (checked at run time) up to 64 x rows, in groups of 8, multiply
+// each block as soon as it is decoded in registers (RowsFused512); with AVX2 only, 1-2 x
+// rows do the same at 8 lanes (RowsFused); otherwise (or fused=false) panels of 4 weight
+// rows are decoded into an L1 buffer and a 2 x 4 register tile of sums runs over K.
+// The weights may carry a leading layer axis ([L, N, ...]) with the layer passed as an
+// operand, so a scanned model reads layer i in place (no slice copy).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -24,8 +27,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // AVX2 code needs -mavx2; the AVX-512 functions carry their target
 #endif
 
 namespace ffi = xla::ffi;
@@ -37,8 +40,8 @@ constexpr int kBlock = 32;
 constexpr int kPanel = 4;     // weight rows decoded together
 constexpr int kRowsPerItem = 32;  // weight rows per work item (8 panels)
 constexpr int kFused512 = 64;  // x rows up to which the AVX-512 path decodes in registers
-constexpr int kXBlock = 32;
-constexpr int kMinParallelItems = 8;   // x rows per work item: 32 x 1536 f32 = 192 KiB (L2)
+constexpr int kXBlock = 32;    // x rows per work item: 32 x 1536 f32 = 192 KiB (L2)
+constexpr int kMinParallelItems = 8;  // fewer items run on the calling thread alone
 
 typedef float V8 __attribute__((vector_size(32), aligned(4)));
 inline V8 Load(const float* p) { return *reinterpret_cast<const V8*>(p); }
