@@ -335,7 +335,8 @@ def _cache(action: str) -> None:
     print(f"{root}:")
     for e in entries:
       path = os.path.join(root, e)
-      what = {"xla": "compiled steps", "native": "the built native CPU library (decode attention, block matmul)"}.get(
+      what = {"xla": "compiled steps",
+              "native": "the built native CPU library (decode attention, block matmul)"}.get(
           e, "?")
       cfg = os.path.join(path, "model_config.json")
       if os.path.isfile(cfg):

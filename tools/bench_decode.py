@@ -83,7 +83,8 @@ def main(argv):
   params_of = {"dense": dense_params, "gguf": m.params}
   # bytes a gguf step reads for its weights: the blocks as held (codes + float32 scales)
   # and the norms; compared with the dense d_w below
-  block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
+  block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(
+      params_of.get("gguf", {}).get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
@@ -139,7 +140,8 @@ def main(argv):
                "over_hf": None if th is None else th / t,
                "llama_cpp_step_ms": None if tl is None else 1e3 * tl}
           rows.append(r)
-          print(f"decode {backend} {wf} {kv_format} batch {B} context {ctx}: {r['step_ms']:.1f} ms "
+          print(f"decode {backend} {wf} {kv_format} batch {B} context {ctx}: "
+                f"{r['step_ms']:.1f} ms "
                 f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
                 file=sys.stderr, flush=True)
 

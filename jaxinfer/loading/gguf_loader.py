@@ -131,29 +131,20 @@ def load_gguf(path: str, name: str | None = None):
   return params, cfg, reader
 
 
-# GGUF block formats the native block matmul reads as they are (pallas_kernels.block_matmul);
-# q4_0 is q4_1 with m = -8 d (exact: d * (q - 8) = d * q - 8 d in float32).
-BLOCK_MATMUL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _MATMUL_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                  "ffn_down")
 
 
 def _blocks_of(t):
+  """A Q4_0 / Q4_1 / Q8_0 tensor -> (codes, scales) of pallas_kernels.block_matmul."""
   from pallas_kernels import block_matmul
   rows, cols = (int(x) for x in reversed(t.shape))  # (out, in)
-  kind = t.tensor_type.name
-  if kind not in BLOCK_MATMUL_TYPES:
+  kind = t.tensor_type.name.lower()
+  if kind not in block_matmul.GGUF_FORMATS:
     raise ModelLoadError(
         f"weight_format='gguf' reads Q4_0, Q4_1 and Q8_0 tensors as they are; tensor "
-        f"{t.name!r} is {kind}: use weight_format='dense' for this file")
-  raw = np.asarray(t.data).view(np.uint8)
-  if kind == "Q4_0":  # block: d fp16, 16 code bytes
-    nb = cols // 32
-    blk = raw.reshape(rows, nb, 18)
-    d = blk[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(rows, nb)
-    scales = np.stack([d, -8.0 * d], -1)
-    return np.ascontiguousarray(blk[:, :, 2:].reshape(rows, nb * 16)), scales
-  return block_matmul.from_gguf_blocks(raw, kind.lower(), rows, cols)
+        f"{t.name!r} is {t.tensor_type.name}: use weight_format='dense' for this file")
+  return block_matmul.from_gguf_blocks(np.asarray(t.data).view(np.uint8), kind, rows, cols)
 
 
 FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"))

@@ -20,6 +20,7 @@ from pallas_kernels import native
 
 TARGET = "jaxinfer_block_matmul"
 FORMATS = {"q4_1": 0, "q8_0": 1}
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")  # read by from_gguf_blocks
 BLOCK = 32
 # Below this many multiply-adds a call runs on the calling thread alone (see the README's
 # Performance section for the measurement).
@@ -36,17 +37,22 @@ def format_of(codes, scales) -> str:
 
 def from_gguf_blocks(raw: np.ndarray, fmt: str, rows: int, cols: int):
   """The raw bytes of a GGUF tensor (rows x cols values, cols along the blocks) ->
-  (codes, scales) in this module's layout."""
+  (codes, scales) in this module's layout. q4_0 becomes q4_1 with m = -8 d (exact:
+  d * (q - 8) = d * q - 8 d in float32)."""
   nb = cols // BLOCK
   raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, nb, -1)
-  if fmt == "q4_1":  # block: d fp16, m fp16, 16 code bytes
+  if fmt == "q4_0":  # block: d fp16, 16 code bytes
+    d = raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(rows, nb)
+    scales = np.stack([d, -8.0 * d], -1)
+    codes = raw[:, :, 2:].reshape(rows, nb * 16)
+  elif fmt == "q4_1":  # block: d fp16, m fp16, 16 code bytes
     scales = raw[:, :, :4].copy().view(np.float16).astype(np.float32).reshape(rows, nb, 2)
     codes = raw[:, :, 4:].reshape(rows, nb * 16)
   elif fmt == "q8_0":  # block: d fp16, 32 int8 codes
     scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(rows, nb, 1)
     codes = raw[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
   else:
-    raise ValueError(f"block format {fmt!r} is not one of {sorted(FORMATS)}")
+    raise ValueError(f"GGUF block format {fmt!r} is not one of {GGUF_FORMATS}")
   return np.ascontiguousarray(codes), np.ascontiguousarray(scales)
 
 
