@@ -145,10 +145,10 @@ def test_native_build_failure_names_the_compiler_and_its_output(tmp_path, monkey
 
 
 def test_long_contexts_of_few_slots_split_the_context():
-  """One or two decode slots with thousands of cached tokens: the native call splits each
-  slot's context into parts (flash-decoding) and merges their softmax states (5 and 2
-  parts here, lengths off page edges; with more threads the two-slot case splits too,
-  its shorter slot then leaving empty parts)."""
+  """One decode slot with thousands of cached tokens: the native call splits its context
+  into parts (flash-decoding) and merges their softmax states (4 and 2 parts here,
+  lengths off page edges). Two slots split only on machines with more threads than this
+  suite's two (the shorter slot then leaves empty parts): not run here."""
   rng = np.random.default_rng(5)
-  for reqs in ([(3001, 1)], [(1100, 1)], [(2500, 1), (600, 1)]):
+  for reqs in ([(2100, 1)], [(1100, 1)]):
     _check(make_case(rng, "q4_0", 16, 9, 3, 64, reqs), reqs, block_pages=8)
