@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import reference, xla
-from test_pallas_attention import FORMATS, MIXES, make_case
+from pallas_kernels.paged_attention import xla
+from test_pallas_attention import FORMATS, MIXES, make_case, ref_attention
 
 # The machines this runs on have a C++ compiler: a failed build must fail here, not hide.
 NATIVE = (False, True)
@@ -19,7 +19,7 @@ LONG = [[(300, 1), (0, 1), (129, 1), (64, 1)],  # many blocks; lengths on block 
 def _check(args, reqs, block_pages, q_precision="native"):
   n_pre = sum(n > 1 for _, n in reqs)
   Q = max(n for _, n in reqs)
-  ref = reference.ragged_paged_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
+  ref = ref_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
                                          q_precision=q_precision)
   ref = np.asarray(ref)
   for native in NATIVE:
@@ -102,7 +102,7 @@ def test_contexts_are_data_not_shapes():
 
   for ctx in ([300, 0, 129, 64], [17, 0, 128, 1], [1, 0, 5, 63]):  # within each real context
     c = np.array(ctx, np.int32)
-    ref = reference.ragged_paged_attention(q, kn, vn, pool, layer, pt, qs, ql, c,
+    ref = ref_attention(q, kn, vn, pool, layer, pt, qs, ql, c,
                                            max_query_len=1, num_prefill_slots=0)
     out = np.asarray(attend(q, kn, vn, pool, pt, qs, ql, c))
     chex.assert_shape(out, q.shape)
@@ -117,7 +117,7 @@ def test_native_call_clips_bad_metadata_instead_of_reading_out_of_bounds():
   reqs = [(40, 1), (20, 1), (33, 1)]
   q, kn, vn, pool, layer, pt, qs, ql, cl = make_case(np.random.default_rng(5), "f32", 16, 9,
                                                       3, 64, reqs)
-  ref = np.asarray(reference.ragged_paged_attention(q, kn, vn, pool, layer, pt, qs, ql, cl,
+  ref = np.asarray(ref_attention(q, kn, vn, pool, layer, pt, qs, ql, cl,
                                                     max_query_len=1, num_prefill_slots=0))
   bad_pt, bad_cl = pt.copy(), cl.copy()
   bad_pt[1, 0] = 10**6  # far past the pool's pages
