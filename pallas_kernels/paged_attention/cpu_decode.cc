@@ -77,7 +77,7 @@ inline float FastExp(float x) {
 }
 
 // s[0..cnt) <- FastExp(s[o] - mx); returns their sum. Eight at a time where the target has
-// AVX2 (the same polynomial; scalar, it was the page loop's largest cost).
+// AVX2 (the same polynomial as FastExp, which took them one at a time before).
 inline float ExpShifted(float* s, int64_t cnt, float mx) {
   float sum = 0;
   int64_t o = 0;
