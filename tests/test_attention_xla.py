@@ -20,8 +20,7 @@ def _check(args, reqs, block_pages, q_precision="native"):
   n_pre = sum(n > 1 for _, n in reqs)
   Q = max(n for _, n in reqs)
   ref = ref_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
-                                         q_precision=q_precision)
-  ref = np.asarray(ref)
+                      q_precision=q_precision)
   for native in NATIVE:
     out = jax.jit(lambda *a: xla.ragged_paged_attention(
         *a, max_query_len=Q, num_prefill_slots=n_pre, q_precision=q_precision,
@@ -102,12 +101,12 @@ def test_contexts_are_data_not_shapes():
 
   for ctx in ([300, 0, 129, 64], [17, 0, 128, 1], [1, 0, 5, 63]):  # within each real context
     c = np.array(ctx, np.int32)
-    ref = ref_attention(q, kn, vn, pool, layer, pt, qs, ql, c,
-                                           max_query_len=1, num_prefill_slots=0)
+    ref = ref_attention(q, kn, vn, pool, layer, pt, qs, ql, c, max_query_len=1,
+                        num_prefill_slots=0)
     out = np.asarray(attend(q, kn, vn, pool, pt, qs, ql, c))
     chex.assert_shape(out, q.shape)
     chex.assert_tree_all_finite(out)
-    np.testing.assert_allclose(out, np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_native_call_clips_bad_metadata_instead_of_reading_out_of_bounds():
@@ -117,8 +116,8 @@ def test_native_call_clips_bad_metadata_instead_of_reading_out_of_bounds():
   reqs = [(40, 1), (20, 1), (33, 1)]
   q, kn, vn, pool, layer, pt, qs, ql, cl = make_case(np.random.default_rng(5), "f32", 16, 9,
                                                       3, 64, reqs)
-  ref = np.asarray(ref_attention(q, kn, vn, pool, layer, pt, qs, ql, cl,
-                                                    max_query_len=1, num_prefill_slots=0))
+  ref = ref_attention(q, kn, vn, pool, layer, pt, qs, ql, cl, max_query_len=1,
+                      num_prefill_slots=0)
   bad_pt, bad_cl = pt.copy(), cl.copy()
   bad_pt[1, 0] = 10**6  # far past the pool's pages
   bad_pt[1, 1] = -7

@@ -26,6 +26,8 @@ def ref_attention(*args, **static):
   its per-slot ops dispatch one by one, 6 s a case against 0.9 s jitted (same outputs to
   3e-8)."""
   return np.asarray(_jitted_reference(tuple(sorted(static.items())))(*args))
+
+
 # NaN bit patterns per pool component dtype (stale data that must never be read).
 _NAN = {jnp.float32: np.nan, jnp.uint16: 0x7FC0, jnp.uint8: 0x7F, jnp.int8: 0x7F}
 
@@ -108,14 +110,12 @@ def test_head_dim_128_and_q_precision(fmt):
   rng = np.random.default_rng()
   args = make_case(rng, fmt, 16, 8, 2, 128, [(30, 1), (12, 9)])
   for qp in ("native", "kv"):
-    ref = ref_attention(*args, max_query_len=9, num_prefill_slots=1,
-                                           q_precision=qp)
+    ref = ref_attention(*args, max_query_len=9, num_prefill_slots=1, q_precision=qp)
     out = kernel.ragged_paged_attention(*args, max_query_len=9, num_prefill_slots=1,
                                         q_precision=qp, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-5)
   a = ref_attention(*args, max_query_len=9, num_prefill_slots=1)
-  b = ref_attention(*args, max_query_len=9, num_prefill_slots=1,
-                                       q_precision="kv")
+  b = ref_attention(*args, max_query_len=9, num_prefill_slots=1, q_precision="kv")
   assert not np.allclose(np.asarray(a), np.asarray(b))  # the Q rounding is real
 
 

@@ -83,8 +83,7 @@ def main(argv):
   params_of = {"dense": dense_params, "gguf": m.params}
   # bytes a gguf step reads for its weights: the blocks as held (codes + float32 scales)
   # and the norms; compared with the dense d_w below
-  block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(
-      params_of.get("gguf", {}).get("blocks", {})))
+  block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)

@@ -305,7 +305,8 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
         __m256 kc[4];
         for (int t = 0; t < 4; ++t) kc[t] = _mm256_loadu_ps(kr[t] + 8 * c);
         for (int64_t g = 0; g < G; ++g) {
-          const __m256 qc = reinterpret_cast<const __m256&>(q[g][c]);
+          // V8 is declared 4-byte aligned: an unaligned load, not an __m256 reference
+          const __m256 qc = _mm256_loadu_ps(reinterpret_cast<const float*>(&q[g][c]));
           for (int t = 0; t < 4; ++t) d[g][t] = _mm256_fmadd_ps(qc, kc[t], d[g][t]);
         }
       }
