@@ -9,7 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Every test run starts from empty caches (converted weights, compiled executables), as a
 # user's first run and CI do, unless JAXINFER_CACHE is set: the suite's time is then the
 # same on every machine, and the user's own cache is never touched. The binaries the tests
-# start inherit it, so a step compiled by one study is loaded from disk by the next.
+# start inherit it, so a step compiled by one study is loaded from disk by the next. Under
+# pytest-xdist (the default test command) this runs first in the controller, and the workers
+# inherit the variable: one cache per run, shared by both workers.
 _OWN_CACHE = None
 if "JAXINFER_CACHE" not in os.environ:
   _OWN_CACHE = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
