@@ -60,7 +60,7 @@ def test_adapter_layout_follows_peft_scaling(smollm2, adapters):
 
 @requires_hf
 @requires_peft
-def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters):
+def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters, lora_llm):
   """Every mode of the grouped low-rank product (gather / segment / dense) against peft:
   logits at every prompt position, for each adapter and the base model in one step."""
   import torch
@@ -101,9 +101,8 @@ def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters)
       assert err < 1e-4, (mode, i, err)
       assert (got.argmax(-1) == r.argmax(-1)).all(), (mode, i)
   assert np.abs(ref[1] - ref[0]).max() > 1.0  # the adapters change the output
-  llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32,
-            lora_adapters={"A": adapters["A"]})
-  out = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
+  # the module's engine (its steps compile once for every test here)
+  out = lora_llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
   assert out.token_ids == hf_greedy
   from pallas_kernels import block_matmul
   if block_matmul.available():  # the adapters over the GGUF blocks (fused q,k,v and gate,up;
