@@ -80,9 +80,14 @@ def test_penalties_bias_and_min_tokens_equal_recompute(smollm2, speculative):
   """Plain, and under n-gram speculation (slow): rows with drafts count the drafts before
   them, rows without drafts are the plain path."""
   from jaxinfer import LLM
+  from jaxinfer.buckets import BucketTable
   kw = dict(speculative=speculative, num_draft=3) if speculative else {}
+  # one tier per bucket dimension: the steps compile a few shapes instead of fourteen (the
+  # bucket choice is covered by test_buckets; this test is about the logits processors)
+  one_tier = BucketTable(token_sizes=(32,), request_sizes=(8,), page_table_sizes=(16,),
+                         query_sizes=(1, 32), prefill_slot_sizes=(8,))
   llm = LLM(smollm2, warmup=False, max_num_seqs=8, max_num_batched_tokens=32,
-            max_model_len=256, num_pages=256, **kw)
+            max_model_len=256, num_pages=256, buckets=one_tier, **kw)
   tok = smollm2.tokenizer
   eos = tuple(llm.engine._eos_token_ids)
   prompts = ["List the days of the week.", "Repeat after me: la la la la la.",
