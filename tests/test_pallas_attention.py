@@ -113,10 +113,10 @@ def test_head_dim_128_and_q_precision(fmt):
     ref = ref_attention(*args, max_query_len=9, num_prefill_slots=1, q_precision=qp)
     out = kernel.ragged_paged_attention(*args, max_query_len=9, num_prefill_slots=1,
                                         q_precision=qp, interpret=True)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
   a = ref_attention(*args, max_query_len=9, num_prefill_slots=1)
   b = ref_attention(*args, max_query_len=9, num_prefill_slots=1, q_precision="kv")
-  assert not np.allclose(np.asarray(a), np.asarray(b))  # the Q rounding is real
+  assert not np.allclose(a, b)  # the Q rounding is real (ref_attention returns numpy)
 
 
 def _abstract_args(cfg, fmt, page_size, T=32, R=4, pmax=8):

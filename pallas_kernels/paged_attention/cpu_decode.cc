@@ -56,18 +56,21 @@ float HalfToFloat(uint16_t h) {
 }
 
 // exp(x) for x <= 0 (softmax arguments): a branch-free polynomial, within 1 ulp of exp
-// over [-87, 0] (checked on 2M points in float32 arithmetic).
+// over [-87, 0] (checked on 2M points in float32 arithmetic). Its constants are shared with
+// the eight-lane form in ExpShifted, which must give the same values.
+constexpr float kExpMin = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float FastExp(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
+  x = x < kExpMin ? kExpMin : x;
+  const float t = x * kLog2e;
   const float n = std::floor(t + 0.5f);
-  const float f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
+  const float f = x - n * kLn2Hi - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * f + kExpPoly[i];
   p = p * f * f + f + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, 4);
@@ -85,19 +88,15 @@ inline float ExpShifted(float* s, int64_t cnt, float mx) {
   __m256 acc = _mm256_setzero_ps();
   const __m256 vmx = _mm256_set1_ps(mx);
   for (; o + 8 <= cnt; o += 8) {
-    // max(-87, x) keeps a NaN x (the scalar clamp does too)
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_sub_ps(_mm256_loadu_ps(s + o),
-                                                                          vmx));
+    // max(kExpMin, x) keeps a NaN x (the scalar clamp does too)
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(kExpMin),
+                                   _mm256_sub_ps(_mm256_loadu_ps(s + o), vmx));
     const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), f);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+        _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[i]));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_add_epi32(_mm256_castps_si256(p),
                                        _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
@@ -236,7 +235,10 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
   const int64_t G = GG ? GG : a.G, ps = a.kp.ps;
   const int64_t hv = HV ? HV : a.H / 8;
   V8 q[kMaxG][kMaxH / 8], acc[kMaxG][kMaxH / 8];
-  alignas(64) float kbuf[kMaxH], vbuf[kMaxH], kbuf4[4][kMaxH];
+  alignas(64) float kbuf[kMaxH], vbuf[kMaxH];
+#if defined(__AVX2__) && defined(__FMA__)
+  alignas(64) float kbuf4[4][kMaxH];  // the four-token path's decoded K rows
+#endif
   float m[kMaxG], l[kMaxG], s[kMaxG][64];
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = a.q + (r * a.N + k * G + g) * a.H;
