@@ -44,28 +44,15 @@ def row_keys(seed, counter):
   return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, counter)
 
 
-def _sample_ids(logits, temperature, top_k, top_p, seed, counter, min_p=None):
-  """(sampled ids [S], argmax ids [S]): greedy rows take the argmax."""
-  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  def draw(_):
-    masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(row_keys(seed, counter))
-    pick = jnp.argmax(masked + g, axis=-1)
-    ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, ids, greedy_ids)
-
-  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy_ids, None), greedy_ids
-
-
 def _logprob_of(logits, ids):
   return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)[:, 0]
 
 
 def sample(logits, temperature, top_k, top_p, seed, counter):
   """logits [S, V] f32 -> (token ids [S] int32, logprob of each under the model [S] f32)."""
-  ids, _ = _sample_ids(logits, temperature, top_k, top_p, seed, counter)
-  return ids, _logprob_of(logits, ids)
+  no_draft = jnp.full(logits.shape[:1], -1, jnp.int32)
+  ids, lp, _ = sample_rows(logits, temperature, top_k, top_p, seed, counter, no_draft)
+  return ids, lp
 
 
 def rejection_sample(p, q, draft, key):
@@ -125,28 +112,35 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
   logit_bias): logprobs are reported under them.
 
   The drafters here draft deterministically (greedy draft model, context lookup), so q
-  is a point mass on the draft token and rejection_sample accepts it with probability
-  p(x) and otherwise resamples from p without x: exact for any temperature / top-k /
-  top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
+  is a point mass on the draft token: `rejection_sample`'s rule then accepts it with
+  probability p(x) and otherwise resamples from p without x, which this function does
+  in the same pass as plain sampling: exact for any temperature / top-k / top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
   the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
   raw = logits if raw_logits is None else raw_logits
   if token_mask is not None:
     logits = apply_token_mask(logits, token_mask)
-  ids, greedy_ids = _sample_ids(logits, temperature, top_k, top_p, seed, counter, min_p)
+  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   has = draft_ids >= 0
   d = jnp.where(has, draft_ids, 0)
-  greedy_ok = greedy_ids == d
+  greedy_accepted = has & (greedy_ids == d)
 
-  def lossless(_):
-    p = filtered_probs(logits, temperature, top_k, top_p, min_p)
-    q = jax.nn.one_hot(d, logits.shape[-1], dtype=p.dtype)
+  def draw(_):
+    # One filter, one sort and one Gumbel draw serve sampling and verification alike:
+    # with q a point mass on x, normalize([p - q]+) is p without x, renormalised, which
+    # the Gumbel-max over the filtered support less x samples exactly.
+    masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
     keys = row_keys(seed, counter)
-    tok, acc = jax.vmap(lambda pp, qq, dd, kk: rejection_sample(pp[None], qq[None], dd[None], kk))(
-        p, q, d, keys)
-    return tok[:, 0], acc[:, 0]
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    at_draft = has[:, None] & (order == d[:, None])
+    p_draft = jnp.sum(jnp.where(at_draft, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+    pick = jnp.argmax(jnp.where(at_draft, -jnp.inf, masked) + g, axis=-1)
+    ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    accepted = has & (u < p_draft)  # with probability min(1, p(x) / q(x)) = p(x)
+    sampled = temperature > 0
+    return (jnp.where(sampled, jnp.where(accepted, d, ids), greedy_ids),
+            jnp.where(sampled, accepted, greedy_accepted))
 
-  sampled_draft = has & (temperature > 0)
-  tok_s, acc_s = jax.lax.cond(jnp.any(sampled_draft), lossless, lambda _: (ids, greedy_ok), None)
-  accepted = has & jnp.where(temperature > 0, acc_s, greedy_ok)
-  token = jnp.where(has & (temperature > 0), tok_s, ids)
-  return token, _logprob_of(raw, jnp.where(accepted, d, token)), accepted
+  token, accepted = jax.lax.cond(jnp.any(temperature > 0), draw,
+                                 lambda _: (greedy_ids, greedy_accepted), None)
+  return token, _logprob_of(raw, token), accepted  # an accepted row's token is its draft
