@@ -45,7 +45,7 @@ def greedy(llm, prompts=PROMPTS):
 def run_tp() -> dict:
   import jax
   from jaxinfer import sharding
-  from jaxinfer.step import model_step
+  from jaxinfer.step import num_compiled_steps
   m = tiny_qwen3()
   out = {"devices": jax.device_count(), "tokens": {}, "weights": {}, "pool": {}}
   for tp in (1, 2, 4):
@@ -53,9 +53,9 @@ def run_tp() -> dict:
     out["tokens"][f"tp:{tp}"] = greedy(llm)
     if tp == 4:  # warm: the same shapes again (other token values) compile nothing, so
       # every step's outputs (the donated pool included) keep their input's sharding
-      before = model_step._cache_size()
+      before = num_compiled_steps()
       greedy(llm, [[(t * 5 + 11) % 1000 for t in p] for p in PROMPTS])
-      out["compiled_when_warm"] = model_step._cache_size() - before
+      out["compiled_when_warm"] = num_compiled_steps() - before
     p = llm.executor.params
     split = {k: p["layers"][k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     split["embed"] = p["embed"]

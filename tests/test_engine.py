@@ -10,7 +10,7 @@ from jaxinfer.executors.jax_executor import JaxExecutor
 from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
 from jaxinfer.runtime.engine import Engine
 from jaxinfer.runtime.scheduler import SchedulerConfig
-from jaxinfer.step import forward_step, masked_sample_step, model_step
+from jaxinfer.step import num_compiled_steps
 
 TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
 
@@ -78,8 +78,7 @@ def test_warm_engine_never_recompiles(smollm2):
   """Warmed with structured=True: plain and grammar-masked steps of every shape."""
   eng = make(smollm2, tokenizer=smollm2.tokenizer)
   eng.warmup(structured=True)
-  steps = (model_step, forward_step, masked_sample_step)
-  before = [f._cache_size() for f in steps]
+  before = num_compiled_steps()
   rng = np.random.default_rng(3)
   constraints = [{}, {"regex": "[a-z ]+"}, {"json_object": True}]
   for i in range(9):  # mixed lengths, arrivals, sampling parameters, constraints
@@ -89,7 +88,7 @@ def test_warm_engine_never_recompiles(smollm2):
     eng.step()
   eng.run()
   assert eng.mask_time_s > 0  # masked steps ran
-  assert [f._cache_size() for f in steps] == before, "a warm engine compiled a new shape"
+  assert num_compiled_steps() == before, "a warm engine compiled a new shape"
 
 
 def test_sim_and_real_make_the_same_decisions(smollm2):
@@ -165,9 +164,8 @@ def test_warm_speculative_engine_with_prefix_hits_and_host_tier_never_recompiles
     ex.copy_pages([(0, 1)] * n)
     ex.offload_pages([(0, 100 + i) for i in range(n)])
     ex.fetch_pages([(100 + i, 1) for i in range(n)])
-  jitted = (step_mod.model_step, step_mod.draft_step, step_mod.copy_pages_jit,
-            step_mod.read_pages_jit, step_mod.write_pages_jit)
-  before = [f._cache_size() for f in jitted]
+  jitted = (step_mod.copy_pages_jit, step_mod.read_pages_jit, step_mod.write_pages_jit)
+  before = [num_compiled_steps()] + [f._cache_size() for f in jitted]
   shared = smollm2.tokenizer.encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,")
   sp = SamplingParams(max_tokens=6, ignore_eos=True)
   for i in range(5):
@@ -176,4 +174,5 @@ def test_warm_speculative_engine_with_prefix_hits_and_host_tier_never_recompiles
   eng.run()
   assert eng.cache.stats.device_hit_tokens + eng.cache.stats.host_hit_tokens > 0
   assert sum(r.spec_rounds for r in eng.requests.values()) > 0
-  assert [f._cache_size() for f in jitted] == before, "a warm engine compiled a new shape"
+  assert [num_compiled_steps()] + [f._cache_size() for f in jitted] == before, \
+      "a warm engine compiled a new shape"

@@ -377,11 +377,11 @@ def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
   """Warm-up compiles each shape's adapter-carrying variant too (dense decode, segment
   prefill); then base and adapter requests of any mix compile nothing."""
   from jaxinfer.buckets import BucketTable
-  from jaxinfer.step import model_step
+  from jaxinfer.step import num_compiled_steps
   table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
                       prefill_slot_sizes=(1, 2, 4))  # 9 shapes, each plain and with LoRA
   llm = LLM(smollm2, buckets=table, num_pages=128, lora_adapters=adapters, max_loras=2)
-  before = model_step._cache_size()
+  before = num_compiled_steps()
   rng = np.random.default_rng(0)
   for i in range(8):
     llm.engine.add_request(rng.integers(100, 40000, int(rng.integers(2, 30))).tolist(),
@@ -390,7 +390,7 @@ def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
     llm.engine.step()
   llm.engine.run()
   assert llm.engine.scheduler.adapters.num_loads >= 3
-  assert model_step._cache_size() == before, "a warm engine with adapters compiled a shape"
+  assert num_compiled_steps() == before, "a warm engine with adapters compiled a shape"
 
 
 def test_speculative_decoding_under_an_adapter_equals_plain(smollm2, lora_llm, adapters):

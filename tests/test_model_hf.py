@@ -108,6 +108,7 @@ def test_unrolled_steps_equal_scanned_and_never_copy_the_pool(qwen3_dir):
   from jaxinfer import benchmarking as bm
   from jaxinfer.executors.jax_executor import JaxExecutor
   from jaxinfer.loading import load_model
+  from jaxinfer.step import forward_inputs
   d, _ = qwen3_dir
   steps = [bm.uniform_step(3, 0, 20)[0], bm.uniform_step(3, 20, 1)[0],
            bm.uniform_step(3, 21, 1)[0]]
@@ -118,9 +119,9 @@ def test_unrolled_steps_equal_scanned_and_never_copy_the_pool(qwen3_dir):
     ex = JaxExecutor(m.cfg, m.params, num_pages=pages, page_size=16)
     got[scan] = [ex.execute(s).packed for s in steps]
     if not scan:
-      hlo = ex._model_step.lower(ex.params, ex.pool, steps[1].arrays, cfg=m.cfg,
-                                 attn_shape=steps[1].bucket.attn_shape, backend=ex.backend,
-                                 return_logits=False).compile().as_text()
+      hlo = ex._forward_step.lower(ex.params, ex.pool, forward_inputs(steps[1].arrays),
+                                   cfg=m.cfg, attn_shape=steps[1].bucket.attn_shape,
+                                   backend=ex.backend).compile().as_text()
       pool_shape = "f32[" + ",".join(map(str, ex.pool["k"].shape)) + "]"
       copies = [ln for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
       assert not copies, copies

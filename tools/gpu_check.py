@@ -76,7 +76,7 @@ def masked_sampling_check(rows) -> int:
   """Structured output on the device: a batch of 64 logits rows at Qwen3's vocabulary,
   greedy under packed token masks (the step's masked sampler) against NumPy's masked
   argmax, timed beside the unmasked sampler. Returns 1 on a mismatch."""
-  from jaxinfer.step import masked_sample_step, sample_packed
+  from jaxinfer.step import sample_packed, sample_step
   S, V = 64, 151936
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.standard_normal((S, V), np.float32))
@@ -89,11 +89,11 @@ def masked_sampling_check(rows) -> int:
                 seed=jnp.zeros(S, jnp.uint32), counter=jnp.zeros(S, jnp.int32),
                 draft_ids=jnp.full(S, -1, jnp.int32))
   masked = dict(inputs, token_mask=jnp.asarray(mask))
-  got = np.asarray(masked_sample_step(logits, masked))[:, 0].astype(np.int64)
+  got = np.asarray(sample_step(logits, masked))[:, 0].astype(np.int64)
   want = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=1)
   ok = bool((got == want).all())
   plain = jax.jit(sample_packed)
-  t_m, t_p = median_time(masked_sample_step, logits, masked), median_time(plain, logits, inputs)
+  t_m, t_p = median_time(sample_step, logits, masked), median_time(plain, logits, inputs)
   rows.append({"case": "masked greedy sampling b64", "fmt": "f32", "ok": ok, "rel_err": 0.0,
                "kernel_us": 1e6 * t_m, "reference_us": 1e6 * t_p,
                "floor_us": 1e6 * S * V * 4 / device_bandwidth(), "x_floor": 0.0})

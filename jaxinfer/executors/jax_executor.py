@@ -16,9 +16,8 @@ from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
-from jaxinfer.step import (SAMPLE_KEYS, copy_pages_jit, enable_compilation_cache,
-                           masked_sample_step, read_pages_jit, steps_for,
-                           write_pages_jit)
+from jaxinfer.step import (copy_pages_jit, enable_compilation_cache, forward_inputs,
+                           read_pages_jit, sample_inputs, sample_step, steps_for, write_pages_jit)
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +36,11 @@ class JaxExecutor:
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
     overlap_masks: a step with structured-output requests dispatches its forward, fills
-    the token masks on the host meanwhile, then samples under them (two executables per
-    shape); False: masks first, then one fused step. Default: overlap on accelerators;
-    not on XLA:CPU, where the host and the "device" share the same cores (measured in
-    tools/bench_sampling.py: the overlapped step was slower there).
+    the token masks on the host meanwhile, then samples under them; False: masks first,
+    then the forward and the sampler (every step is these two dispatches: step.py).
+    Default: overlap on accelerators; not on XLA:CPU, where the host and the "device"
+    share the same cores (measured in tools/bench_sampling.py: the overlapped step was
+    slower there).
     lora_adapters (LoraAdapter), max_loras, max_lora_rank, lora_targets: multi-LoRA
     (8.2.1): a device pool of max_loras slots of rank max_lora_rank over lora_targets
     (default: every target of the given adapters); the adapters wait in host memory
@@ -187,18 +187,12 @@ class JaxExecutor:
       return out, t0
     if step.mask_fn is not None and not self.overlap_masks:
       arrays = dict(arrays, token_mask=step.mask_fn())
-    elif step.mask_fn is not None:
-      logits, self.pool = self._forward_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                             attn_shape=step.bucket.attn_shape,
-                                             backend=self.backend)
-      mask = step.mask_fn()  # host work while the device runs the forward
-      out = masked_sample_step(logits, dict({k: arrays[k] for k in SAMPLE_KEYS[:-1]
-                                             if k in arrays}, token_mask=mask))
-      return out, t0
-    out, self.pool = self._model_step(self.params, self.pool, arrays, cfg=self.cfg,
-                                      attn_shape=step.bucket.attn_shape, backend=self.backend,
-                                      return_logits=False)
-    return out, t0
+    logits, self.pool = self._forward_step(self.params, self.pool, forward_inputs(arrays),
+                                           cfg=self.cfg, attn_shape=step.bucket.attn_shape,
+                                           backend=self.backend)
+    if step.mask_fn is not None and self.overlap_masks:
+      arrays = dict(arrays, token_mask=step.mask_fn())  # host work while the forward runs
+    return sample_step(logits, sample_inputs(arrays), backend=self.backend), t0
 
   def collect(self, handle) -> StepResult:
     out, t0 = handle
