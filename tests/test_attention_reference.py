@@ -1,4 +1,7 @@
 """The jnp ragged paged attention against a dense per-request computation."""
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,7 +38,7 @@ def test_ragged_mix_with_nan_poisoned_pages(page_size, prefill_slots):
   # Three requests: decode at context 9, a prefill chunk of 5 after 7 cached, fresh prompt of 6.
   reqs = [(9, 1), (7, 5), (0, 6)]
   perm = rng.permutation(num_pages)
-  tables, off, full = [], 0, []
+  tables, off, full, writes = [], 0, [], []
   T = sum(n for _, n in reqs) + 3  # padding tokens at the end
   q = rng.standard_normal((T, 9, 64)).astype(np.float32)
   kn = rng.standard_normal((T, 3, 64)).astype(np.float32)
@@ -47,17 +50,19 @@ def test_ragged_mix_with_nan_poisoned_pages(page_size, prefill_slots):
     kc = rng.standard_normal((1, cached, 3, 64)).astype(np.float32)
     vc = rng.standard_normal((1, cached, 3, 64)).astype(np.float32)
     pos = np.arange(cached)
-    pool = write_tokens(pool, kc, vc, pt[pos // page_size].astype(np.int32),
-                        (pos % page_size).astype(np.int32))
+    writes.append((kc, vc, pt[pos // page_size], pos % page_size))
     tables.append(np.pad(pt, (0, 4 - len(pt))))
     full.append((kc[0], vc[0]))
+  pool = jax.jit(write_tokens)(pool, *(np.concatenate(parts, axis=1 if i < 2 else 0)
+                                       .astype(np.float32 if i < 2 else np.int32)
+                                       for i, parts in enumerate(zip(*writes))))
   page_table = np.stack(tables).astype(np.int32)
   query_len = np.array([n for _, n in reqs], np.int32)
   query_start = np.concatenate([[0], np.cumsum(query_len)[:-1]]).astype(np.int32)
   cached_len = np.array([c for c, _ in reqs], np.int32)
-  out = np.asarray(ragged_paged_attention(
-      jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), pool, 0, page_table, query_start,
-      query_len, cached_len, max_query_len=8, num_prefill_slots=prefill_slots))
+  attend = jax.jit(functools.partial(ragged_paged_attention, max_query_len=8,
+                                     num_prefill_slots=prefill_slots))  # eagerly: 400 compiles
+  out = np.asarray(attend(q, kn, vn, pool, 0, page_table, query_start, query_len, cached_len))
   assert np.isfinite(out).all()
   for r, (cached, n) in enumerate(reqs):
     s = query_start[r]

@@ -28,6 +28,8 @@ def ref_attention(*args, **static):
   return np.asarray(_jitted_reference(tuple(sorted(static.items())))(*args))
 
 
+_write_tokens = jax.jit(write_tokens)
+
 # NaN bit patterns per pool component dtype (stale data that must never be read).
 _NAN = {jnp.float32: np.nan, jnp.uint16: 0x7FC0, jnp.uint8: 0x7F, jnp.int8: 0x7F}
 
@@ -56,17 +58,22 @@ def make_case(rng, fmt, page_size, heads, kv_heads, head_dim, reqs, layers=2):
   q = rng.standard_normal((T, heads, head_dim)).astype(np.float32)
   kn = rng.standard_normal((T, kv_heads, head_dim)).astype(np.float32)
   vn = rng.standard_normal((T, kv_heads, head_dim)).astype(np.float32)
+  ks, vs, pages, offsets = [], [], [], []
   for cached, n in reqs:
     npg = -(-(cached + n) // page_size)
     pt = perm[off:off + npg]
     off += npg
     if cached:
-      kc = rng.standard_normal((layers, cached, kv_heads, head_dim)).astype(np.float32)
-      vc = rng.standard_normal((layers, cached, kv_heads, head_dim)).astype(np.float32)
+      ks.append(rng.standard_normal((layers, cached, kv_heads, head_dim)).astype(np.float32))
+      vs.append(rng.standard_normal((layers, cached, kv_heads, head_dim)).astype(np.float32))
       pos = np.arange(cached)
-      pool = write_tokens(pool, kc, vc, pt[pos // page_size].astype(np.int32),
-                          (pos % page_size).astype(np.int32))
+      pages.append(pt[pos // page_size])
+      offsets.append(pos % page_size)
     tables.append(np.pad(pt, (0, pmax - len(pt)), constant_values=perm[-1]))  # stale page
+  if ks:  # every request's cached tokens in one jitted write (eagerly: ~80 op compiles)
+    pool = _write_tokens(pool, np.concatenate(ks, 1), np.concatenate(vs, 1),
+                         np.concatenate(pages).astype(np.int32),
+                         np.concatenate(offsets).astype(np.int32))
   ql = np.array([n for _, n in reqs], np.int32)
   qs = np.concatenate([[0], np.cumsum(ql)[:-1]]).astype(np.int32)
   cl = np.array([c for c, _ in reqs], np.int32)

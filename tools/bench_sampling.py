@@ -12,8 +12,8 @@ what each kind of per-request processing costs a decode step.
    both libraries' JSON whitespace rules accept it, and tokenized canonically).
 2. The step overhead: steady decode steps of `batch` requests, all free vs all under one
    kind of processing, same prompts, same lengths: a JSON-string constraint (the widest
-   masks: almost every token allowed; masks filled before one fused step or while the
-   forward runs), penalties (presence + frequency + repetition: the dense additive row
+   masks: almost every token allowed; masks filled before the step's forward is dispatched or
+   while it runs), penalties (presence + frequency + repetition: the dense additive row
    and the seen-token bits), top-20 logprobs. Median step time (host packing included)
    and its ratio to the free step, the host's mask-fill time per step, beside this
    machine's bandwidth and compute floors for that step and HF transformers' decode step
@@ -34,7 +34,7 @@ flags.DEFINE_integer("decode_tokens", 40, "tokens each request decodes (overhead
 flags.DEFINE_bool("hf", True, "time HF transformers' decode step in the same run")
 flags.DEFINE_bool("libraries", True, "run the library comparison")
 flags.DEFINE_list("overlap_masks", ["false", "true"], "executor modes to time: false = masks "
-                  "filled before one fused step, true = filled while the forward runs")
+                  "filled before the forward is dispatched, true = while it runs")
 flags.DEFINE_string("output_dir", "", "write bench_sampling.json here")
 
 STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
@@ -228,7 +228,7 @@ def main(argv):
       rows += _overhead(llm, B, variants, hf, costs, bw, rate)
   print("\nsteady decode step, free vs every request under one kind of processing (ms; "
         "floors and HF from this run); overlap: masks filled while the forward runs "
-        "(two dispatches) or before one fused step")
+        "or before it is dispatched")
   print(f"{'processing':<16} {'overlap':>7} {'batch':>5} {'ctx':>4} {'free':>7} {'step':>7} "
         f"{'ratio':>6} {'mask fill':>9} {'bw floor':>8} {'cmp floor':>9} {'HF':>7}")
   for r in rows:
