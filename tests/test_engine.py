@@ -36,8 +36,9 @@ def check_against_oracle(smollm2, reqs, n_out):
 
 def test_chunked_prefix_hits_and_preemption_equal_recompute(smollm2):
   """Chunks of 16 under a 32-token budget, a second wave that hits a 16-token cached
-  prefix, and a pool of 10 pages of 8 tokens without reservation: preemptions happen."""
-  eng = make(smollm2, num_pages=10, reserve="none")
+  prefix, and a pool of 12 pages of 8 tokens without reservation: preemptions happen (the
+  speculative tests' pool size: their steps compile once for both)."""
+  eng = make(smollm2, num_pages=12, reserve="none")
   shared = list(range(2000, 2016))
   wave1 = prompts(3, 13, seed=1, shared=shared)
   sp = SamplingParams(max_tokens=6, ignore_eos=True)
