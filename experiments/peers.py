@@ -3,7 +3,6 @@ returns None with a message when its package is absent)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from typing import List, Optional
@@ -22,9 +21,8 @@ def hf_generate(gguf_path: str, prompts: List[List[int]], new_tokens: int) -> Op
     print(f"HF peer skipped: {miss} not installed (pip install -e '.[test]')", file=sys.stderr)
     return None
   import torch
-  from transformers import AutoModelForCausalLM
-  d, f = os.path.split(gguf_path)
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32).eval()
+  from jaxinfer.benchmarking import hf_model
+  model = hf_model(gguf_path)
   ids = torch.tensor(prompts)
 
   def run(n):

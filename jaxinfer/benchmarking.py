@@ -105,7 +105,10 @@ def time_step(executor, step: StepInput, repeats: int = 5) -> float:
 # --- the peer every benchmark prints beside its figures: HF transformers, same run ---
 def hf_model(path):
   """The HF transformers peer of a GGUF model (f32, eval), or None when the test extra
-  (torch, transformers) is not installed."""
+  (torch, transformers) is not installed. transformers dequantizes a GGUF in Python (24 s
+  for SmolLM2 here), so the first load also saves its float32 weights under the cache
+  (JAXINFER_CACHE/hf, keyed by the file's content and the transformers version) and later
+  loads read those (about 1 s): the same tensors HF's own conversion produced."""
   import importlib.util
   import os
   if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
@@ -113,9 +116,54 @@ def hf_model(path):
         "HF peer skipped: torch/transformers not installed (pip install -e '.[test]')")
     return None
   import torch
+  import transformers
   from transformers import AutoModelForCausalLM
+  from jaxinfer.loading import registry
+  saved = os.path.join(registry.default_cache_dir(), "hf",
+                       registry._cache_key(path, f"hf-{transformers.__version__}"))
+  if os.path.isfile(os.path.join(saved, "model.safetensors")):
+    try:
+      return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 -- a damaged entry: convert again
+      logging.getLogger(__name__).warning("ignoring unusable HF weights in %s (%s: %s)",
+                                          saved, type(e).__name__, e)
+      import shutil
+      shutil.rmtree(saved, ignore_errors=True)
   d, f = os.path.split(path)
-  return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+  try:
+    _save_hf(model, saved)
+  except OSError as e:  # a read-only cache must not stop the comparison
+    logging.getLogger(__name__).warning("could not cache HF weights in %s: %s", saved, e)
+  return model
+
+
+def _save_hf(model, out_dir: str) -> None:
+  """config.json + model.safetensors, written to a private folder and renamed into place
+  (a reader never sees half an entry; of two writers at once the first rename wins)."""
+  import json
+  import os
+  import shutil
+  import tempfile
+  from safetensors.torch import save_model
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".saving-", dir=parent)
+  try:
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights saved are plain float32
+    with open(os.path.join(tmp, "config.json"), "w") as fh:
+      json.dump(config, fh, allow_nan=False)
+    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied weights stored once
+    try:
+      os.rename(tmp, out_dir)
+      tmp = None
+    except OSError:
+      if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        raise
+  finally:
+    if tmp is not None:
+      shutil.rmtree(tmp, ignore_errors=True)
 
 
 def hf_decode_step(model, cfg, batch, context, repeats):

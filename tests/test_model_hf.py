@@ -1,5 +1,4 @@
 """The JAX model against HF transformers on the same weights (f32)."""
-import os
 
 import numpy as np
 import pytest
@@ -18,11 +17,8 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2_path):
-  import torch
-  from transformers import AutoModelForCausalLM
-  d, f = os.path.split(smollm2_path)
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
-  return model.eval()
+  from jaxinfer.benchmarking import hf_model  # HF's own GGUF conversion, saved once a run
+  return hf_model(smollm2_path)
 
 
 def test_smollm2_logits_match_hf(smollm2, hf_smollm2):
