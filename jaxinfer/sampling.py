@@ -10,6 +10,22 @@ import jax
 import jax.numpy as jnp
 
 
+def argmax(x):
+  """jnp.argmax over the last axis of [S, V] (the first index of each row's maximum), in
+  blocks of 128 columns: each block's max, the first block holding the row's max, then the
+  first index inside it. XLA:CPU runs argmax's variadic reduction about 10x slower than a
+  max: over [64, 49152] logits 7.9 ms against 0.67 ms this way. (A NaN row, which the
+  engine fails by its non-finite logprob, may get another index than jnp.argmax's.)"""
+  S, V = x.shape
+  B = next((b for b in (128, 64, 32, 16, 8) if V % b == 0 and V > b), None)
+  if B is None:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  xb = x.reshape(S, V // B, B)
+  blk = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)
+  inner = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]
+  return (blk * B + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
 def _filtered_logits(logits, temperature, top_k, top_p, min_p=None):
   """Scale by temperature and mask outside top-k / top-p (and below min_p times the most
   likely token's probability, when given). Returns (masked sorted logits, sorted token
@@ -45,7 +61,9 @@ def row_keys(seed, counter):
 
 
 def _logprob_of(logits, ids):
-  return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)[:, 0]
+  """log_softmax(logits)[ids] without the [S, V] log_softmax."""
+  picked = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def sample(logits, temperature, top_k, top_p, seed, counter):
@@ -119,23 +137,39 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
   raw = logits if raw_logits is None else raw_logits
   if token_mask is not None:
     logits = apply_token_mask(logits, token_mask)
-  greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_ids = argmax(logits)
   has = draft_ids >= 0
   d = jnp.where(has, draft_ids, 0)
   greedy_accepted = has & (greedy_ids == d)
+  V = logits.shape[-1]
 
   def draw(_):
-    # One filter, one sort and one Gumbel draw serve sampling and verification alike:
-    # with q a point mass on x, normalize([p - q]+) is p without x, renormalised, which
-    # the Gumbel-max over the filtered support less x samples exactly.
-    masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
+    # One Gumbel draw per row, indexed by token id, serves sampling and verification
+    # alike: with q a point mass on x, normalize([p - q]+) is p without x, renormalised,
+    # which the Gumbel-max over the support less x samples exactly. A row draws the same
+    # token whichever branch runs: the sort (top-k / top-p / min-p) only masks tokens.
     keys = row_keys(seed, counter)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-    at_draft = has[:, None] & (order == d[:, None])
-    p_draft = jnp.sum(jnp.where(at_draft, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
-    pick = jnp.argmax(jnp.where(at_draft, -jnp.inf, masked) + g, axis=-1)
-    ids = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    def filtered(_):
+      masked, order = _filtered_logits(logits, temperature, top_k, top_p, min_p)
+      at_draft = has[:, None] & (order == d[:, None])
+      p_draft = jnp.sum(jnp.where(at_draft, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+      pick = argmax(jnp.where(at_draft, -jnp.inf, masked) + jnp.take_along_axis(g, order, -1))
+      return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32), p_draft
+
+    def unfiltered(_):  # no sort: XLA:CPU sorts [64, 49152] logits in about 1.3 s
+      scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+      at_draft = has[:, None] & (jnp.arange(V)[None, :] == d[:, None])
+      lse = jax.nn.logsumexp(scaled, axis=-1)
+      p_draft = jnp.exp(jnp.take_along_axis(scaled, d[:, None], axis=-1)[:, 0] - lse)
+      return argmax(jnp.where(at_draft, -jnp.inf, scaled) + g), p_draft
+
+    needs = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
+    if min_p is not None:
+      needs |= min_p > 0
+    ids, p_draft = jax.lax.cond(jnp.any(needs & (temperature > 0)), filtered, unfiltered, None)
     accepted = has & (u < p_draft)  # with probability min(1, p(x) / q(x)) = p(x)
     sampled = temperature > 0
     return (jnp.where(sampled, jnp.where(accepted, d, ids), greedy_ids),
