@@ -132,8 +132,9 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
   The drafters here draft deterministically (greedy draft model, context lookup), so q
   is a point mass on the draft token: `rejection_sample`'s rule then accepts it with
   probability p(x) and otherwise resamples from p without x, which this function does
-  in the same pass as plain sampling: exact for any temperature / top-k / top-p. Greedy rows accept iff the draft is the target's argmax (then the argmax is
-  the correction). Returns (token [S], logprob [S], accepted [S] bool)."""
+  in the same pass as plain sampling: exact for any temperature / top-k / top-p. Greedy
+  rows accept iff the draft is the target's argmax (then the argmax is the correction).
+  Returns (token [S], logprob [S], accepted [S] bool)."""
   raw = logits if raw_logits is None else raw_logits
   if token_mask is not None:
     logits = apply_token_mask(logits, token_mask)
