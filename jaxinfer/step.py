@@ -1,6 +1,8 @@
 """The jitted model step: forward over a packed ragged batch, sample, write KV.
 
-`(params, pool, inputs) -> (packed results, pool)`, pool donated. The model config,
+A serving step is two executables: `forward_step` `(params, pool, inputs) -> (logits,
+pool)`, pool donated, then `sample_step` `(logits, inputs) -> packed results`; the fused
+`model_step` also returns logits for studies and oracles. The model config,
 the query-length bucket and the attention backend are static; everything that varies
 per step or per request is an array of a bucket shape, so a warm step never retraces.
 """
