@@ -137,7 +137,7 @@ def real(c, trace):
   from jaxinfer.config import SamplingParams
   from jaxinfer.llm import LLM
   from jaxinfer.loading import load_model
-  from jaxinfer.step import num_compiled_steps
+  from jaxinfer.step import sample_step
   T, R, L = c.real_max_tokens, c.real_max_seqs, c.real_max_model_len
   # All at once, as LLM.generate submits them: the fitted table sees the same steps.
   reqs = [dict(r, arrival_s=0.0, prompt_tokens=min(r["prompt_tokens"], c.real_max_prompt),
@@ -168,7 +168,9 @@ def real(c, trace):
                           max_model_len=L)
     rss0, maps0 = _rss_mib(), _maps()
     cold = llm.engine.warmup()  # this process's persistent cache is empty for these shapes
-    executables = num_compiled_steps()
+    # one forward per shape; the samplers are shared by every shape with the same rows
+    executables = llm.executor._forward_step._cache_size()
+    samplers = sample_step._cache_size()
     rss1, maps1 = _rss_mib(), _maps()
     jax.clear_caches()  # in-memory executables gone: the next warm-up reads the disk cache
     cached = llm.engine.warmup()
@@ -177,7 +179,8 @@ def real(c, trace):
     wall = time.perf_counter() - t0
     assert all(len(o.token_ids) == r["output_tokens"] for o, r in zip(outs, reqs))
     row = {"strategy": name, "table": table.to_json(), "num_shapes": n,
-           "executables": executables, "warmup_cold_s": cold, "warmup_cached_s": cached,
+           "executables": executables, "sampler_executables": samplers,
+           "warmup_cold_s": cold, "warmup_cached_s": cached,
            "executables_rss_mib": rss1 - rss0, "executables_memory_maps": maps1 - maps0,
            "compile_s_per_shape": cold / max(n, 1), "generate_s": wall,
            **bp.padding(table, shapes, cpu_cost), "run": _summary(llm.engine),
