@@ -30,7 +30,7 @@ _LONG_FILES = ("test_server", "test_attention_xla", "test_engine", "test_lora", 
 def pytest_collection_modifyitems(session, config, items):
   """Long files first, each file's tests in their own order (a stable sort by file)."""
   def rank(item):
-    name = os.path.splitext(os.path.basename(str(item.fspath)))[0]
+    name = item.path.stem
     return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
   items.sort(key=rank)
 
