@@ -120,7 +120,7 @@ def hf_model(path):
   from transformers import AutoModelForCausalLM
   from jaxinfer.loading import registry
   saved = os.path.join(registry.default_cache_dir(), "hf",
-                       registry._cache_key(path, f"hf-{transformers.__version__}"))
+                       registry.cache_key(path, f"hf-{transformers.__version__}"))
   if os.path.isfile(os.path.join(saved, "model.safetensors")):
     try:
       return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
@@ -139,31 +139,21 @@ def hf_model(path):
 
 
 def _save_hf(model, out_dir: str) -> None:
-  """config.json + model.safetensors, written to a private folder and renamed into place
-  (a reader never sees half an entry; of two writers at once the first rename wins)."""
+  """config.json + model.safetensors (tied weights stored once), published atomically."""
   import json
   import os
-  import shutil
-  import tempfile
   from safetensors.torch import save_model
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".saving-", dir=parent)
-  try:
+  from jaxinfer.loading import registry
+
+  def write(tmp):
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the weights saved are plain float32
     with open(os.path.join(tmp, "config.json"), "w") as fh:
       json.dump(config, fh, allow_nan=False)
-    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied weights stored once
-    try:
-      os.rename(tmp, out_dir)
-      tmp = None
-    except OSError:
-      if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
-        raise
-  finally:
-    if tmp is not None:
-      shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, os.path.join(tmp, "model.safetensors"))
+
+  registry.publish_dir(out_dir, write,
+                       lambda d: os.path.isfile(os.path.join(d, "model.safetensors")))
 
 
 def hf_decode_step(model, cfg, batch, context, repeats):

@@ -336,7 +336,8 @@ def _cache(action: str) -> None:
     for e in entries:
       path = os.path.join(root, e)
       what = {"xla": "compiled steps",
-              "native": "the built native CPU library (decode attention, block matmul)"}.get(
+              "native": "the built native CPU library (decode attention, block matmul)",
+              "hf": "HF transformers' float32 copies of GGUF models (the benchmarks' peer)"}.get(
           e, "?")
       cfg = os.path.join(path, "model_config.json")
       if os.path.isfile(cfg):

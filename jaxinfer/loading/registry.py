@@ -66,38 +66,44 @@ def resolve_model(model: str) -> str:
 PARAMS_LAYOUT_VERSION = 1
 
 
-def _cache_key(path: str, dtype_name: str) -> str:
+def cache_key(path: str, label: str) -> str:
   """From the file's content (not its path or mtime): every copy of the same GGUF, in any
-  virtual environment, shares one converted entry."""
-  h = hashlib.sha256(f"{dtype_name}:v{PARAMS_LAYOUT_VERSION}:".encode())
+  virtual environment, shares one cached entry per `label` (a dtype, a peer's version)."""
+  h = hashlib.sha256(f"{label}:v{PARAMS_LAYOUT_VERSION}:".encode())
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 22), b""):
       h.update(block)
   return h.hexdigest()[:20]
 
 
-def _save_converted(ckpt_dir: str, params, cfg) -> None:
-  """Write into a private temporary directory, then rename it into place: a reader never
-  sees a half-written entry, and when two processes convert at once the first rename
-  wins and the other discards its copy (both loads succeed)."""
+def publish_dir(out_dir: str, write, complete) -> None:
+  """Fill a cache entry: `write(tmp)` fills a private temporary directory, which is then
+  renamed to `out_dir`. A reader never sees a half-written entry, and when two processes
+  write at once the first rename wins and the other discards its copy (`complete(out_dir)`
+  says the winner's entry is there; otherwise the rename's error is raised)."""
   import shutil
   import tempfile
-  from jaxinfer.loading import checkpoint
-  parent = os.path.dirname(ckpt_dir)
+  parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".converting-", dir=parent)
+  tmp = tempfile.mkdtemp(prefix=".writing-", dir=parent)
   try:
-    checkpoint.save_checkpoint(tmp, params, cfg)
+    write(tmp)
     try:
-      os.rename(tmp, ckpt_dir)
+      os.rename(tmp, out_dir)
       tmp = None
     except OSError:
-      if not checkpoint.is_checkpoint(ckpt_dir):
+      if not complete(out_dir):
         raise
-      log.info("another process cached %s first; using its entry", ckpt_dir)
+      log.info("another process cached %s first; using its entry", out_dir)
   finally:
     if tmp is not None:
       shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_converted(ckpt_dir: str, params, cfg) -> None:
+  from jaxinfer.loading import checkpoint
+  publish_dir(ckpt_dir, lambda tmp: checkpoint.save_checkpoint(tmp, params, cfg),
+              checkpoint.is_checkpoint)
 
 
 def default_cache_dir() -> str:
@@ -176,7 +182,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     reader = gguf_loader.open_gguf(path)
     gguf_loader.config_from_gguf(reader, name)  # unsupported architectures fail first
     tokenizer = tok.tokenizer_from_gguf(reader)
-    ckpt_dir = os.path.join(cache_dir or default_cache_dir(), _cache_key(path, dtype))
+    ckpt_dir = os.path.join(cache_dir or default_cache_dir(), cache_key(path, dtype))
     params = None
     if jax.process_count() > 1:  # orbax saves and restores collectively across a
       use_cache = False  # jax.distributed job; each process converts the GGUF itself
