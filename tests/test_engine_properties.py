@@ -153,7 +153,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=1000, stateful_step_count=60, deadline=None, derandomize=True,
+    max_examples=650, stateful_step_count=60, deadline=None, derandomize=True,
     suppress_health_check=list(HealthCheck))
 TestEngineProperties = EngineMachine.TestCase
 

@@ -88,7 +88,7 @@ def test_backends_greedy_equal_reference(smollm2):
   assert outs["pallas"] == outs["reference"] == outs["xla"]
 
 
-@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("buffers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_weight_offload_equals_plain(smollm2, buffers):
   """8.4.3: every 3rd layer's FFN streamed from host memory, 1 or 2 prefetch buffers:
   the same greedy tokens, and the copies are counted every step."""

@@ -58,59 +58,79 @@ def test_adapter_layout_follows_peft_scaling(smollm2, adapters):
                              4 / np.sqrt(8), rtol=1e-6)
 
 
-@requires_hf
-@requires_peft
-def test_logits_and_greedy_tokens_match_hf_peft(smollm2, smollm2_path, adapters, lora_llm):
-  """Every mode of the grouped low-rank product (gather / segment / dense) against peft:
-  logits at every prompt position, for each adapter and the base model in one step."""
+@pytest.fixture(scope="module")
+def peft_ref(smollm2, smollm2_path, adapters):
+  """HF transformers + peft on one prompt: the logits at every position of the base model
+  and of each adapter A, B, C, and adapter A's 8 greedy tokens."""
   import torch
   from peft import PeftModel
   from jaxinfer.benchmarking import hf_model
-  from jaxinfer.executors.jax_executor import JaxExecutor
-  from jaxinfer.lora import ops
-  from jaxinfer.runtime.batcher import SeqWork, pack_exact
-  cfg = smollm2.cfg
   ids = smollm2.tokenizer.encode("The capital of France is a city where")
-  n = len(ids)
-  names = ["A", "B", "C"]
-  loaded = [load_peft(adapters[x], cfg, x) for x in names]
-  ex = JaxExecutor(cfg, smollm2.params, num_pages=64, page_size=16, lora_adapters=loaded,
-                   max_loras=3, max_lora_rank=8)
-  ex.load_lora([(1, "A"), (2, "B"), (3, "C")])
-  works = [SeqWork(ids, 0, list(range(4 * i, 4 * i + 4)), num_logits=n, lora_slot=i)
-           for i in range(4)]  # slot 0 = the base model
-  ours = {}
-  for mode in ops.MODES:
-    ex.lora_mode = mode
-    _, ours[mode] = ex.logits(pack_exact(works, 16, 64))
   hf = hf_model(smollm2_path)
   x = torch.tensor([ids])
   with torch.no_grad():
     ref = [hf(x).logits[0].numpy()]
-  for name in names:
+  for name in "ABC":
     pm = PeftModel.from_pretrained(hf, adapters[name]).eval()
     with torch.no_grad():
       ref.append(pm(x).logits[0].numpy())
       if name == "A":
-        hf_greedy = pm.generate(x, max_new_tokens=8, do_sample=False)[0, n:].tolist()
+        greedy = pm.generate(x, max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     hf = pm.unload()  # the bare base model again
-  for mode, logits in ours.items():
+  assert np.abs(ref[1] - ref[0]).max() > 1.0  # the adapters change the output
+  return ids, ref, greedy
+
+
+def _check_modes_against_peft(smollm2, adapters, peft_ref, modes):
+  """One prefill step carrying the base model and A, B, C (4 requests, one slot each), its
+  logits at every prompt position against peft's, under each grouped-product mode."""
+  from jaxinfer.executors.jax_executor import JaxExecutor
+  from jaxinfer.runtime.batcher import SeqWork, pack_exact
+  ids, ref, _ = peft_ref
+  n = len(ids)
+  loaded = [load_peft(adapters[x], smollm2.cfg, x) for x in "ABC"]
+  ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=64, page_size=16,
+                   lora_adapters=loaded, max_loras=3, max_lora_rank=8)
+  ex.load_lora([(1, "A"), (2, "B"), (3, "C")])
+  works = [SeqWork(ids, 0, list(range(4 * i, 4 * i + 4)), num_logits=n, lora_slot=i)
+           for i in range(4)]  # slot 0 = the base model
+  for mode in modes:
+    ex.lora_mode = mode
+    _, logits = ex.logits(pack_exact(works, 16, 64))
     for i, r in enumerate(ref):
       got = logits[i * n:(i + 1) * n]
       err = np.abs(got - r).max() / np.abs(r).max()
       assert err < 1e-4, (mode, i, err)
       assert (got.argmax(-1) == r.argmax(-1)).all(), (mode, i)
-  assert np.abs(ref[1] - ref[0]).max() > 1.0  # the adapters change the output
-  # the module's engine (its steps compile once for every test here)
+
+
+@requires_hf
+@requires_peft
+def test_logits_and_greedy_tokens_match_hf_peft(smollm2, adapters, peft_ref, lora_llm):
+  """The executor's own choice of grouped product for a prefill against peft's logits; the
+  engine's greedy decode under adapter A (its decode steps' mode) against peft's."""
+  _check_modes_against_peft(smollm2, adapters, peft_ref, [None])
+  ids, _, greedy = peft_ref
   out = lora_llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
-  assert out.token_ids == hf_greedy
+  assert out.token_ids == greedy
+
+
+@requires_hf
+@requires_peft
+@pytest.mark.slow
+def test_every_lora_mode_and_the_gguf_blocks_match_hf_peft(smollm2, adapters, peft_ref):
+  """Every mode of the grouped low-rank product (gather / segment / ragged / dense) against
+  peft, and adapter A over the GGUF blocks (fused q,k,v and gate,up; the prompt's tokens
+  and every decode step read them) against peft's greedy tokens."""
+  from jaxinfer.lora import ops
+  _check_modes_against_peft(smollm2, adapters, peft_ref, ops.MODES)
   from pallas_kernels import block_matmul
-  if block_matmul.available():  # the adapters over the GGUF blocks (fused q,k,v and gate,up;
-    # the prompt's 9 tokens and every decode step read them)
+  if block_matmul.available():
+    ids, _, greedy = peft_ref
     llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
               lora_adapters={"A": adapters["A"]}, weight_format="gguf")
     out = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, lora="A"))[0]
-    assert out.token_ids == hf_greedy
+    assert out.token_ids == greedy
 
 
 @pytest.fixture(scope="module")

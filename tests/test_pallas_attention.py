@@ -112,7 +112,7 @@ def test_kernel_matches_reference(fmt, page_size, heads, kv_heads):
     assert err < 1e-5, (fmt, reqs, err)  # same quantized data on both sides
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=pytest.mark.slow), "q8_0"])
 def test_head_dim_128_and_q_precision(fmt):
   rng = np.random.default_rng()
   args = make_case(rng, fmt, 16, 8, 2, 128, [(30, 1), (12, 9)])
