@@ -40,7 +40,8 @@ def test_xla_matches_reference(fmt):
 
 
 @pytest.mark.parametrize("page_size,block_pages,heads,kv_heads,head_dim",
-                         [(16, 1, 4, 4, 64), (16, 3, 8, 1, 64), (64, 8, 9, 3, 64),
+                         [pytest.param(16, 1, 4, 4, 64, marks=pytest.mark.slow),
+                          (16, 3, 8, 1, 64), (64, 8, 9, 3, 64),
                           (8, 2, 12, 1, 48), (16, 2, 8, 2, 128)])
 def test_block_sizes_and_page_sizes(page_size, block_pages, heads, kv_heads, head_dim):
   """Block counts that do not divide the page table, one-page blocks, one block for all;

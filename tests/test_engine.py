@@ -110,10 +110,12 @@ def test_sim_and_real_make_the_same_decisions(smollm2):
   assert real == sim
 
 
-# early exit's tokens also equal plain greedy's by default in test_sharding ("tp:2 early_exit")
+# By default one n-gram run (adaptive draft lengths) and the draft model; the fixed-length
+# n-gram run with the slow tests; early exit's tokens also equal plain greedy's by default
+# in test_sharding ("tp:2 early_exit").
 @pytest.mark.parametrize("drafter,adaptive", [
-    ("ngram", False), ("ngram", True), pytest.param("early_exit", False, marks=pytest.mark.slow),
-    ("draft_model", True)])
+    pytest.param("ngram", False, marks=pytest.mark.slow), ("ngram", True),
+    pytest.param("early_exit", False, marks=pytest.mark.slow), ("draft_model", True)])
 def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
   """Drafts verified in the target step: token-for-token the plain greedy output, under
   batching, chunking and (reserve='none', small pool) preemption."""
