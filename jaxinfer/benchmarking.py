@@ -62,18 +62,20 @@ def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
 
 
 def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
-                     repeats: int = 5) -> float:
-  """FLOP/s of XLA's f32 matmuls at a step's own shapes: `rows` token rows through each
-  layer matmul, `lm_rows` (default rows) through the LM head. The compute floor of a
-  step is its FLOPs over this rate."""
+                     repeats: int = 5, dtype=jnp.float32) -> float:
+  """FLOP/s of XLA's matmuls at a step's own shapes: `rows` token rows through each
+  layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
+  (bf16: float32 accumulation and result, as the model's dense_matmul). The compute
+  floor of a step is its FLOPs over this rate."""
   lm_rows = rows if lm_rows is None else lm_rows
   rng = np.random.default_rng(0)
   flops = secs = 0.0
   for d_in, d_out, count in weight_matmul_shapes(cfg):
     m = lm_rows if d_out == cfg.vocab_size else rows
-    x = jnp.asarray(rng.standard_normal((m, d_in), np.float32))
-    w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32))
-    t = median_time(jax.jit(lambda a, b: a @ b), x, w, repeats=repeats)
+    x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)
+    w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32), dtype)
+    t = median_time(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
+                    x, w, repeats=repeats)
     flops += 2 * m * d_in * d_out * count
     secs += t * count
   return flops / secs
@@ -162,10 +164,11 @@ def hf_decode_step(model, cfg, batch, context, repeats):
   from transformers import DynamicCache
   g = torch.Generator().manual_seed(0)
   K, H = cfg.num_kv_heads, cfg.head_dim
+  dtype = next(model.parameters()).dtype  # the cache in the model's own dtype
   cache = DynamicCache(config=model.config)
   for layer in range(cfg.num_layers):
-    cache.update(torch.randn(batch, K, context, H, generator=g),
-                 torch.randn(batch, K, context, H, generator=g), layer)
+    cache.update(torch.randn(batch, K, context, H, generator=g).to(dtype),
+                 torch.randn(batch, K, context, H, generator=g).to(dtype), layer)
   ids = torch.full((batch, 1), 7)
   ts = []
   with torch.no_grad():

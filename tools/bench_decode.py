@@ -45,6 +45,9 @@ flags.DEFINE_integer("engine_new_tokens", 32, "host time: new tokens per prompt"
 flags.DEFINE_list("weight_formats", ["dense"], "dense (f32 weights) and/or gguf (the file's "
                   "own Q4_1/Q8_0 blocks read in place; CPU): gguf rows only at batches up to "
                   "transformer.BLOCK_MATMUL_MAX_TOKENS (larger steps use the dense weights)")
+flags.DEFINE_list("dtypes", ["float32"], "weight dtypes of the dense rows: float32 and/or "
+                  "bfloat16 (bf16 weights, float32 activations, bf16 x bf16 -> f32 matmuls; HF "
+                  "beside them in bf16)")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
@@ -76,11 +79,19 @@ def main(argv):
   for wf in FLAGS.weight_formats:
     if wf not in ("dense", "gguf"):
       raise app.UsageError(f"--weight_formats: unknown format {wf!r}")
+  for dt in FLAGS.dtypes:
+    if dt not in ("float32", "bfloat16"):
+      raise app.UsageError(f"--dtypes: unknown dtype {dt!r} (float32, bfloat16)")
   m = load_model(FLAGS.model, weight_format="gguf" if "gguf" in FLAGS.weight_formats
                  else "dense")
   cfg = m.cfg
   dense_params = {k: v for k, v in m.params.items() if k != "blocks"}
-  params_of = {"dense": dense_params, "gguf": m.params}
+  params_of = {("dense", "float32"): dense_params, ("gguf", "float32"): m.params}
+  if "bfloat16" in FLAGS.dtypes:
+    from jaxinfer.model.params import cast_params
+    params_of["dense", "bfloat16"] = cast_params(dense_params, jax.numpy.bfloat16)
+  variants = [(wf, "float32") for wf in FLAGS.weight_formats if "float32" in FLAGS.dtypes]
+  variants += [("dense", "bfloat16")] if "bfloat16" in FLAGS.dtypes else []
   # bytes a gguf step reads for its weights: the blocks as held (codes + float32 scales)
   # and the norms; compared with the dense d_w below
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
@@ -91,14 +102,20 @@ def main(argv):
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
         f"{','.join(FLAGS.attention)}", flush=True)
   hf = bm.hf_model(m.source) if FLAGS.hf else None
+  hf_of = {"float32": hf}
+  if hf is not None and "bfloat16" in FLAGS.dtypes:
+    import copy
+    import torch
+    hf_of["bfloat16"] = copy.deepcopy(hf).to(torch.bfloat16)
   lc = bm.llama_cpp_model(m.source, max(contexts + [int(x) for x in FLAGS.prefill_lens if x])
                           + 64) if FLAGS.llama_cpp else None
   rates = {}
 
-  def rate(rows, lm_rows):
-    if (rows, lm_rows) not in rates:
-      rates[rows, lm_rows] = bm.step_matmul_rate(cfg, rows, lm_rows, FLAGS.repeats)
-    return rates[rows, lm_rows]
+  def rate(rows, lm_rows, dtype="float32"):
+    if (rows, lm_rows, dtype) not in rates:
+      rates[rows, lm_rows, dtype] = bm.step_matmul_rate(cfg, rows, lm_rows, FLAGS.repeats,
+                                                        dtype=jax.numpy.dtype(dtype))
+    return rates[rows, lm_rows, dtype]
 
   rows, skipped = [], []
   for kv_format in FLAGS.kv_formats:
@@ -113,33 +130,41 @@ def main(argv):
         step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
         seqs = [(1, ctx)] * B
         attn = costs.attention_flops(seqs)
-        floors = {"dense": (costs.step_bytes(seqs) / bw,
-                            (costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak),
+        bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
+        floors = {("dense", "float32"): (costs.step_bytes(seqs) / bw, (
+            costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak),
                   # gguf: XLA's f32 rate at these shapes is no floor for the block call
-                  "gguf": ((costs.step_bytes(seqs) - costs.d_w + block_bytes) / bw,
-                           costs.step_flops(seqs) / peak)}
-        th = tl = None
-        if hf is not None and kv_format == "f32":
-          th = bm.hf_decode_step(hf, cfg, B, ctx, FLAGS.repeats)
+                  ("gguf", "float32"): ((costs.step_bytes(seqs) - costs.d_w + block_bytes)
+                                        / bw, costs.step_flops(seqs) / peak)}
+        if "bfloat16" in FLAGS.dtypes:  # its rate at >= 16 rows (fewer are padded to 16)
+          r16 = max(B, 16)
+          floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
+                                         rate(r16, r16, "bfloat16") + attn / peak)
+        th, tl = {}, None
+        for dt, h in hf_of.items():
+          if h is not None and kv_format == "f32":
+            th[dt] = bm.hf_decode_step(h, cfg, B, ctx, FLAGS.repeats)
         if lc is not None and kv_format == "f32" and B == 1:
           tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
-        for wf, backend in itertools.product(FLAGS.weight_formats, FLAGS.attention):
+        for (wf, dt), backend in itertools.product(variants, FLAGS.attention):
           if wf == "gguf" and B > transformer.BLOCK_MATMUL_MAX_TOKENS:
             continue  # such a step multiplies by the dense weights: the dense row
-          bw_floor, c_floor = floors[wf]
-          ex = JaxExecutor(cfg, params_of[wf], num_pages=num_pages, page_size=ps,
+          bw_floor, c_floor = floors[wf, dt]
+          ex = JaxExecutor(cfg, params_of[wf, dt], num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
           t = bm.time_step(ex, step, FLAGS.repeats)
           del ex
-          r = {"attention": backend, "weights": wf, "kv_format": kv_format, "batch": B,
-               "context": ctx,
+          h = th.get(dt)  # HF in the row's own dtype
+          r = {"attention": backend, "weights": wf, "dtype": dt, "kv_format": kv_format,
+               "batch": B, "context": ctx,
                "step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
                "compute_floor_ms": 1e3 * c_floor, "over_floor": t / max(bw_floor, c_floor),
-               "hf_step_ms": None if th is None else 1e3 * th,
-               "over_hf": None if th is None else th / t,
+               "hf_step_ms": None if h is None else 1e3 * h,
+               "over_hf": None if h is None else h / t,
+               "over_hf_f32": None if "float32" not in th else th["float32"] / t,
                "llama_cpp_step_ms": None if tl is None else 1e3 * tl}
           rows.append(r)
-          print(f"decode {backend} {wf} {kv_format} batch {B} context {ctx}: "
+          print(f"decode {backend} {wf} {dt} {kv_format} batch {B} context {ctx}: "
                 f"{r['step_ms']:.1f} ms "
                 f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
                 file=sys.stderr, flush=True)
@@ -166,12 +191,14 @@ def main(argv):
                   "llama_cpp_ms": None if tl is None else 1e3 * tl})
 
   print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
-        "'x HF' = HF step / ours")
-  print(f"{'attention':>9} {'weights':>7} {'kv':>5} {'batch':>5} {'ctx':>5} {'jaxinfer':>9} "
+        "'x HF' = HF step (in the row's dtype) / ours")
+  print(f"{'attention':>9} {'weights':>7} {'dtype':>8} {'kv':>5} {'batch':>5} {'ctx':>5} "
+        f"{'jaxinfer':>9} "
         f"{'tok/s':>8} {'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} "
         f"{'llama.cpp':>9}")
   for r in rows:
-    print(f"{r['attention']:>9} {r['weights']:>7} {r['kv_format']:>5} {r['batch']:>5} "
+    print(f"{r['attention']:>9} {r['weights']:>7} {r['dtype']:>8} {r['kv_format']:>5} "
+          f"{r['batch']:>5} "
           f"{r['context']:>5} "
           f"{r['step_ms']:>9.1f} "
           f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
@@ -245,16 +272,21 @@ def _figure(rows, path):
                            squeeze=False)
   for ax, ctx in zip(axes[0], ctxs):
     rs = [r for r in rows if r["context"] == ctx and r["kv_format"] == "f32"]
-    for backend in dict.fromkeys(r["attention"] for r in rs):
-      mine = [r for r in rs if r["attention"] == backend]
+    for key in dict.fromkeys((r["attention"], r["weights"], r["dtype"]) for r in rs):
+      mine = [r for r in rs if (r["attention"], r["weights"], r["dtype"]) == key]
       ax.plot([r["batch"] for r in mine], [r["step_ms"] for r in mine], "o-",
-              label=f"jaxinfer ({backend})")
-    rs = [r for r in rs if r["attention"] == rs[0]["attention"]]
-    b = [r["batch"] for r in rs]
-    if any(r["hf_step_ms"] for r in rs):
-      ax.plot(b, [r["hf_step_ms"] for r in rs], "s-", label="HF transformers")
-    ax.plot(b, [max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) for r in rs], "k--",
-            label="max(floors)")
+              label="jaxinfer (" + ", ".join(key) + ")")
+    for dt in dict.fromkeys(r["dtype"] for r in rs):
+      mine = [r for r in rs if r["dtype"] == dt and r["weights"] == "dense"
+              and r["attention"] == rs[0]["attention"]]
+      if any(r["hf_step_ms"] for r in mine):
+        ax.plot([r["batch"] for r in mine], [r["hf_step_ms"] for r in mine], "s-",
+                label=f"HF transformers ({dt})")
+    rs = [r for r in rs if (r["attention"], r["weights"], r["dtype"]) == (
+        rs[0]["attention"], rs[0]["weights"], rs[0]["dtype"])]
+    ax.plot([r["batch"] for r in rs],
+            [max(r["bandwidth_floor_ms"], r["compute_floor_ms"]) for r in rs], "k--",
+            label="max(floors), " + rs[0]["weights"] + " " + rs[0]["dtype"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_title(f"decode step, context {ctx}")

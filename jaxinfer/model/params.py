@@ -83,6 +83,29 @@ def cast_params(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
 
 
+def as_bit_patterns(params):
+  """The stacked bf16 layer weights held as their uint16 bit patterns (other leaves as they
+  are). XLA:CPU copies each scanned layer's slice out of the stack, and copies bf16 element by
+  element through float32: 30 slices of a 576 x 1536 bf16 stack and their dots took 56 ms,
+  the same slices as uint16 bitcast back to bf16 inside the layer 8.9 ms (f32 weights: 16.9).
+  `transformer.hidden_states` reads such weights as bf16 and keeps its activations in
+  float32 (XLA:CPU also runs bf16 element-wise work through float32 conversions)."""
+  layers = params.get("layers")
+  if not isinstance(layers, dict) or not any(
+      a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(layers)):
+    return params
+  bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) \
+      if a.dtype == jnp.bfloat16 else a  # noqa: E731
+  return dict(params, layers=jax.tree_util.tree_map(bits, layers))
+
+
+def from_bit_patterns(p):
+  """A layer's weights with uint16 bit patterns (as_bit_patterns) read back as bf16."""
+  return jax.tree_util.tree_map(
+      lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a,
+      p)
+
+
 def unstack_layers(params):
   """Stacked layer weights -> list of per-layer dicts (the unrolled layout)."""
   layers = params["layers"]

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
+from jaxinfer.lora.ops import dense_matmul, half_dot
 from jaxinfer.model import layers
+from jaxinfer.model.params import from_bit_patterns
 
 # weight_format="gguf" (params["blocks"], pallas_kernels.block_matmul): steps of at most this
 # many tokens read the matmul weights in the file's own blocks; larger steps use the float
@@ -41,9 +43,13 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops.
   """
   dtype = params["embed"].dtype
+  lp = params["layers"]
+  bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
+                                      for a in jax.tree_util.tree_leaves(lp))
+  if bits:  # bf16 weights held as bit patterns (CPU): float32 activations, bf16 matmuls
+    dtype = jnp.float32
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
-  lp = params["layers"]
   L = cfg.num_layers if num_layers is None else num_layers
   lora = batch.get("lora")
   # The pool is indexed by layer inside the ops, never sliced per layer: a scanned slice
@@ -60,6 +66,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
     def body(x, xs):
       p, i = xs
+      p = from_bit_patterns(p) if bits else p
       x, k, v = layer(x, with_blocks(p, i), i, cfg, rope, pool, batch, attn_shape, backend,
                       lora_i(i))
       return x, (k, v)
@@ -69,7 +76,8 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
     # (a static slice lp[:L] would copy L layers' weights on every call)
 
     def body_i(x, i):
-      p = with_blocks(jax.tree_util.tree_map(lambda a: a[i], lp), i)
+      p = jax.tree_util.tree_map(lambda a: a[i], lp)
+      p = with_blocks(from_bit_patterns(p) if bits else p, i)
       x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
       return x, (k, v)
 
@@ -101,9 +109,11 @@ def lm_head(params, x):
     from pallas_kernels import block_matmul
     logits = block_matmul.matmul(x, head["codes"], head["scales"])
   elif "lm_head" in params:
-    logits = x @ params["lm_head"]
-  else:
+    logits = dense_matmul(x, params["lm_head"])
+  elif params["embed"].dtype == jnp.float32:  # tied: the embedding's rows
     logits = jnp.einsum("sd,vd->sv", x, params["embed"])
+  else:  # tied half-precision embedding: f32 accumulation, as in dense_matmul
+    logits = half_dot(x, params["embed"], "sd,vd->sv")
   return logits.astype(jnp.float32)
 
 
