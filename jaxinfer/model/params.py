@@ -90,7 +90,7 @@ def as_bit_patterns(params):
   the same slices as uint16 bitcast back to bf16 inside the layer 8.9 ms (f32 weights: 16.9).
   `transformer.hidden_states` reads such weights as bf16 and keeps its activations in
   float32 (XLA:CPU also runs bf16 element-wise work through float32 conversions)."""
-  layers = params.get("layers")
+  layers = params.get("layers") if isinstance(params, dict) else None  # None: no weights
   if not isinstance(layers, dict) or not any(
       a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(layers)):
     return params
