@@ -235,7 +235,7 @@ class RealEngineMachine(EngineMachine):
 
 REAL_TABLE = BucketTable(token_sizes=(8, 16), request_sizes=(4,), page_table_sizes=(8,))
 RealEngineMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=30, deadline=None, derandomize=True,
+    max_examples=8, stateful_step_count=30, deadline=None, derandomize=True,
     suppress_health_check=list(HealthCheck))
 TestRealEngineProperties = RealEngineMachine.TestCase
 
