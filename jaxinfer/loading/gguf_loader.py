@@ -6,6 +6,7 @@ HF layout (JAX-FACTS.md). Qwen3 files are not permuted.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -26,11 +27,22 @@ _LAYER_NAMES = {
 
 
 def open_gguf(path: str):
-  import gguf
+  """A read-only GGUFReader of `path`. gguf-py parses every metadata field when it opens
+  a file (SmolLM2's 49,152-token vocabulary: 3.7-7.7 s here), and a process opens the same
+  file for its weights, its tokenizer and its block weights, so the last one opened is kept
+  (keyed by the file's path, size and modification time: a rewritten file is read again)."""
   if not os.path.isfile(path):
     raise ModelLoadError(f"GGUF file not found: {path!r}")
+  st = os.stat(path)
+  return _open_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open_gguf(path: str, size: int, mtime_ns: int):
+  import gguf
+  del size, mtime_ns  # the cache key only
   try:
-    return gguf.GGUFReader(path)
+    return gguf.GGUFReader(path, "r")
   except Exception as e:  # the reader raises assorted errors on bad bytes
     raise ModelLoadError(
         f"{path!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
