@@ -86,12 +86,13 @@ def main(argv):
                  else "dense")
   cfg = m.cfg
   dense_params = {k: v for k, v in m.params.items() if k != "blocks"}
+  # rows: dense weights in each dtype; gguf blocks (float32 scales) whatever --dtypes says
+  variants = [("dense", dt) for dt in FLAGS.dtypes if "dense" in FLAGS.weight_formats]
+  variants += [("gguf", "float32")] if "gguf" in FLAGS.weight_formats else []
   params_of = {("dense", "float32"): dense_params, ("gguf", "float32"): m.params}
-  if "bfloat16" in FLAGS.dtypes:
+  if ("dense", "bfloat16") in variants:
     from jaxinfer.model.params import cast_params
     params_of["dense", "bfloat16"] = cast_params(dense_params, jax.numpy.bfloat16)
-  variants = [(wf, "float32") for wf in FLAGS.weight_formats if "float32" in FLAGS.dtypes]
-  variants += [("dense", "bfloat16")] if "bfloat16" in FLAGS.dtypes else []
   # bytes a gguf step reads for its weights: the blocks as held (codes + float32 scales)
   # and the norms; compared with the dense d_w below
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
