@@ -21,10 +21,10 @@ if "JAXINFER_CACHE" not in os.environ:
 # The files that take longest (seconds of test time in a two-worker run, 2026-12-01), run
 # first: `--dist loadfile` hands each worker the next file in collection order as it
 # frees up, so long files queued last would leave one worker running alone at the end.
-_LONG_FILES = ("test_server", "test_attention_xla", "test_engine", "test_lora", "test_llm",
+_LONG_FILES = ("test_server", "test_engine", "test_lora", "test_attention_xla", "test_llm",
                "test_sharding", "test_structured", "test_model_hf", "test_engine_properties",
-               "test_pallas_attention", "test_block_matmul", "test_bucket_plan", "test_errors",
-               "test_binaries")
+               "test_block_matmul", "test_logits_processing", "test_pallas_attention",
+               "test_kv_formats", "test_binaries", "test_errors")
 
 
 def pytest_collection_modifyitems(session, config, items):
