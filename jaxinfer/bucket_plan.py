@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -185,16 +186,6 @@ def num_shapes(table: BucketTable) -> int:
   return sum(1 for _ in table.all_buckets())
 
 
-def _memoized(cost: Callable[[Bucket], float]) -> Callable[[Bucket], float]:
-  seen: Dict[Bucket, float] = {}
-
-  def cached(b: Bucket) -> float:
-    if b not in seen:
-      seen[b] = cost(b)
-    return seen[b]
-  return cached
-
-
 def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
               max_requests: int, max_pages: int, max_sizes: int = 6,
               cost: Optional[Callable[[Bucket], float]] = None) -> Tuple[BucketTable, dict]:
@@ -205,7 +196,7 @@ def fit_table(shapes: Sequence[StepShape], max_shapes: int, max_tokens: int,
   (Padded token rows were the first objective: on real SmolLM2 the table it chose ran
   16-request decode steps at 70 tokens, past this CPU's compute knee, and doubled TTFT
   against pow4; step time under the roofline sees the knee.)"""
-  cost = _memoized(cost or rows_cost)  # the combinations share most of their buckets
+  cost = functools.cache(cost or rows_cost)  # the combinations share most of their buckets
   P = max_pages
   c_tok = lambda x: cost(Bucket(x, 1, P, 1, 1, 0))  # noqa: E731
   c_qry = lambda x: cost(Bucket(x, 1, P, x, 1, 1))  # noqa: E731

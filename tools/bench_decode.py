@@ -131,7 +131,6 @@ def main(argv):
         step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
         seqs = [(1, ctx)] * B
         attn = costs.attention_flops(seqs)
-        bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
         floors = {("dense", "float32"): (costs.step_bytes(seqs) / bw, (
             costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak),
                   # gguf: XLA's f32 rate at these shapes is no floor for the block call
@@ -139,6 +138,7 @@ def main(argv):
                                         / bw, costs.step_flops(seqs) / peak)}
         if "bfloat16" in FLAGS.dtypes:  # its rate at >= 16 rows (fewer are padded to 16)
           r16 = max(B, 16)
+          bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
           floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
                                          rate(r16, r16, "bfloat16") + attn / peak)
         th, tl = {}, None
