@@ -178,18 +178,21 @@ def test_flipped_bytes_in_the_converted_cache_are_caught_by_the_checksum(tmp_pat
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_checkpoint_restore_verifies_its_checksum(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16 has no buffer format
+def test_checkpoint_restore_verifies_its_checksum(tmp_path, dtype):
   import jax
   from jaxinfer.config import SMOLLM2_135M
   from jaxinfer.loading import checkpoint
   from jaxinfer.model.params import init_params
   cfg = SMOLLM2_135M.replace(num_layers=2, hidden_size=64, intermediate_size=128,
                              num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
-  params = init_params(cfg, jax.random.PRNGKey(1))
+  params = init_params(cfg, jax.random.PRNGKey(1), dtype=jax.numpy.dtype(dtype))
   d = str(tmp_path / "ck")
   checkpoint.save_checkpoint(d, params, cfg)
-  checkpoint.restore_checkpoint(d, np.float32)  # intact: restores
-  crc, dtype = (tmp_path / "ck" / "checksum").read_text().split()
-  (tmp_path / "ck" / "checksum").write_text(f"{int(crc, 16) ^ 1:08x} {dtype}")
+  got, _ = checkpoint.restore_checkpoint(d, jax.numpy.dtype(dtype))  # intact: restores
+  np.testing.assert_array_equal(np.asarray(got["embed"]), np.asarray(params["embed"]))
+  crc, saved = (tmp_path / "ck" / "checksum").read_text().split()
+  assert saved == dtype
+  (tmp_path / "ck" / "checksum").write_text(f"{int(crc, 16) ^ 1:08x} {saved}")
   with pytest.raises(ModelLoadError, match="is damaged: its weights' checksum"):
-    checkpoint.restore_checkpoint(d, np.float32)
+    checkpoint.restore_checkpoint(d, jax.numpy.dtype(dtype))

@@ -25,7 +25,8 @@ def params_checksum(params) -> str:
   import numpy as np
   crc = 0
   for a in jax.tree_util.tree_leaves(params):
-    crc = zlib.crc32(memoryview(np.ascontiguousarray(np.asarray(a))).cast("B"), crc)
+    # as bytes: a buffer of bfloat16 (an ml_dtypes type) has no buffer-protocol format
+    crc = zlib.crc32(np.ascontiguousarray(np.asarray(a)).view(np.uint8), crc)
   return f"{crc:08x}"
 
 
