@@ -37,6 +37,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("kv_format", "f32", "KV format")
   flags.DEFINE_enum("weight_format", "dense", ["dense", "gguf"], "dense f32 weights, or the "
                     "GGUF file's own blocks read in place (steps of few tokens)")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dense weights' dtype "
+                    "(bfloat16: bf16 x bf16 -> f32 matmuls, as bench_decode's bf16 rows)")
   flags.DEFINE_integer("steps", 3, "profiled steps (after 3 untimed ones)")
   flags.DEFINE_integer("top", 15, "op families printed")
   flags.DEFINE_string("output_dir", "", "write profile_step.json here")
@@ -71,7 +73,7 @@ def main(argv):
       raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.context < 0:
     raise app.UsageError(f"--context must be >= 0, got {FLAGS.context}")
-  m = load_model(FLAGS.model, weight_format=FLAGS.weight_format)
+  m = load_model(FLAGS.model, FLAGS.dtype, weight_format=FLAGS.weight_format)
   params = m.params
   if FLAGS.layers == "unrolled":  # own buffers per layer (slices of the stack would alias)
     params = jax.tree_util.tree_map(jax.numpy.array, unstack_layers(params))
@@ -93,6 +95,7 @@ def main(argv):
   kind = "decode" if FLAGS.new_tokens == 1 else f"{FLAGS.new_tokens}-token prefill"
   print(f"{FLAGS.model}, {kind}, batch {FLAGS.batch}, context {FLAGS.context}, attention "
         f"{FLAGS.attention}, layers {FLAGS.layers}, weights {FLAGS.weight_format} "
+        f"{FLAGS.dtype} "
         f"({jax.default_backend()}, jax "
         f"{jax.__version__}): step {1e3 * wall:.1f} ms wall, {op_ms:.1f} ms summed over ops")
   print(f"{'op family':<44} {'ms/step':>8} {'ops/step':>8} {'share':>6}")
@@ -104,6 +107,7 @@ def main(argv):
     out = {"model": FLAGS.model, "batch": FLAGS.batch, "context": FLAGS.context,
            "new_tokens": FLAGS.new_tokens, "attention": FLAGS.attention,
            "layers": FLAGS.layers, "weight_format": FLAGS.weight_format,
+           "dtype": FLAGS.dtype,
            "step_ms": 1e3 * wall, "op_ms": op_ms,
            "families": [{"family": k, "ms_per_step": ms, "ops_per_step": n}
                         for k, (ms, n) in fams.items()],

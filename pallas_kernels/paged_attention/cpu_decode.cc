@@ -129,12 +129,15 @@ struct Pool {
   int64_t P, ps, H, Hc;
   int64_t code_bytes;  // bytes per code element
 
-  // Ask for a page's codes ahead of use: pages lie at random places in the pool, where
-  // the hardware prefetcher cannot follow (measured: loads stalled on misses otherwise).
-  void Prefetch(int64_t lk, int64_t page) const {
-    const char* base = static_cast<const char*>(codes) + (lk * P + page) * ps * Hc * code_bytes;
-    const int64_t bytes = ps * Hc * code_bytes;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
+  // Ask for rows [o0, o1) of a page ahead of use: pages lie at random places in the pool,
+  // where the hardware prefetcher cannot follow (measured: loads stalled on misses
+  // otherwise). The caller spreads a page's rows over the work of the page before, a few
+  // lines per token: asking for a whole page at once filled the core's line-fill buffers,
+  // and the prefetches then stalled the loop (55% of the kernel's samples sat on them).
+  void PrefetchRows(int64_t lk, int64_t page, int64_t o0, int64_t o1) const {
+    const int64_t row = Hc * code_bytes;
+    const char* base = static_cast<const char*>(codes) + ((lk * P + page) * ps + o0) * row;
+    for (int64_t off = 0; off < (o1 - o0) * row; off += 64) __builtin_prefetch(base + off, 0, 3);
   }
 
   // Row (layer, head, page, slot) decoded to float; f32 rows are returned in place.
@@ -227,11 +230,54 @@ struct Args {
   float* part = nullptr;
 };
 
+// An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
+// in whole pages. Out-of-range metadata is clipped, as XLA's gathers do, rather than read
+// out of bounds (common.validate_values checks it only when the values are concrete; under
+// jit a bad table must not fault the process).
+inline void ItemTokens(const Args& a, int64_t r, int64_t split, int64_t* tb, int64_t* n) {
+  const int64_t ps = a.kp.ps;
+  int64_t e = a.cached_len[r];
+  e = e < 0 ? 0 : (e > a.pages_per_slot * ps ? a.pages_per_slot * ps : e);
+  int64_t b = 0;
+  if (a.splits > 1) {
+    const int64_t chunk = ((e + a.splits - 1) / a.splits + ps - 1) / ps * ps;
+    b = split * chunk < e ? split * chunk : e;
+    e = b + chunk < e ? b + chunk : e;
+  }
+  *tb = b;
+  *n = e;
+}
+
+inline int64_t PageAt(const Args& a, int64_t r, int64_t t) {
+  const int64_t page = a.page_table[r * a.pages_per_slot + t / a.kp.ps];
+  return page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
+}
+
+// A page's first rows to prefetch: the next page of an item, or the first page of the item
+// a thread runs next.
+struct Ahead {
+  int64_t lk = 0, page = 0, cnt = 0;
+};
+
+// The first page of item (r, k, split), for the thread that will run it.
+inline Ahead FirstPage(const Args& a, int64_t r, int64_t k, int64_t split) {
+  int64_t tb, n;
+  ItemTokens(a, r, split, &tb, &n);
+  Ahead h;
+  if (n > tb) {
+    h.lk = a.layer * a.K + k;
+    h.page = PageAt(a, r, tb);
+    h.cnt = n - tb < a.kp.ps ? n - tb : a.kp.ps;
+  }
+  return h;
+}
+
 // One (slot, KV head): G query rows over the slot's cached tokens and its own new token.
 // HV = H / 8 and GG = G when known at compile time (SmolLM2: 8 and 3, Qwen3-8B: 16 and 4;
 // the accumulators then stay in registers), 0 for any other shape.
 template <int HV, int GG>
-void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
+void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetched,
+            Ahead after) {
   const int64_t G = GG ? GG : a.G, ps = a.kp.ps;
   const int64_t hv = HV ? HV : a.H / 8;
   V8 q[kMaxG][kMaxH / 8], acc[kMaxG][kMaxH / 8];
@@ -262,34 +308,29 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
     m[g] = Sum(d);
     l[g] = 1.0f;
   }
-  // Out-of-range metadata is clipped, as XLA's gathers do, rather than read out of bounds
-  // (common.validate_values checks it only when the values are concrete; under jit a bad
-  // table must not fault the process).
-  int64_t n = a.cached_len[r];
-  n = n < 0 ? 0 : (n > a.pages_per_slot * ps ? a.pages_per_slot * ps : n);
-  // this item's tokens [tb, n): whole pages of the slot's context
-  int64_t tb = 0;
-  if (a.splits > 1) {
-    const int64_t chunk = ((n + a.splits - 1) / a.splits + ps - 1) / ps * ps;
-    tb = split * chunk < n ? split * chunk : n;
-    n = tb + chunk < n ? tb + chunk : n;
-  }
+  int64_t tb, n;
+  ItemTokens(a, r, split, &tb, &n);
   const int64_t lk = a.layer * a.K + k;
-  const int32_t* pt = a.page_table + r * a.pages_per_slot;
-  auto clip = [&](int64_t page) {
-    return page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
-  };
-  if (n > tb) {
-    a.kp.Prefetch(lk, clip(pt[tb / ps]));
-    a.vp.Prefetch(lk, clip(pt[tb / ps]));
+  if (n > tb && !first_fetched) {  // nothing ran before to overlap the first page with
+    const int64_t cnt0 = n - tb < ps ? n - tb : ps;
+    a.kp.PrefetchRows(lk, PageAt(a, r, tb), 0, cnt0);
+    a.vp.PrefetchRows(lk, PageAt(a, r, tb), 0, cnt0);
+  } else if (n <= tb && after.cnt > 0) {  // no page here: the next item's, as promised
+    a.kp.PrefetchRows(after.lk, after.page, 0, after.cnt);
+    a.vp.PrefetchRows(after.lk, after.page, 0, after.cnt);
   }
   for (int64_t t0 = tb; t0 < n; t0 += ps) {
-    const int64_t page = clip(pt[t0 / ps]);
-    if (t0 + ps < n) {
-      a.kp.Prefetch(lk, clip(pt[t0 / ps + 1]));
-      a.vp.Prefetch(lk, clip(pt[t0 / ps + 1]));
-    }
+    const int64_t page = PageAt(a, r, t0);
     const int64_t cnt = n - t0 < ps ? n - t0 : ps;
+    // the next page's rows (or, on the last page, the first page of the thread's next
+    // item): K during this page's scores, V during its values
+    Ahead nx = after;
+    if (t0 + ps < n) {
+      nx.lk = lk;
+      nx.page = PageAt(a, r, t0 + ps);
+      nx.cnt = n - t0 - ps < ps ? n - t0 - ps : ps;
+    }
+    const int64_t cnt_next = nx.cnt;
     float mb[kMaxG];
     for (int64_t g = 0; g < G; ++g) mb[g] = m[g];
     int64_t o = 0;
@@ -298,6 +339,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
     // are H / 8 FMAs long, each waiting on the last), and their scores reduced together
     // by horizontal adds (four tokens' sums in five instructions).
     for (; o + 4 <= cnt; o += 4) {
+      if (o < cnt_next) a.kp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
       const float* kr[4];
       for (int t = 0; t < 4; ++t) kr[t] = a.kp.Row(lk, page, o + t, kbuf4[t]);
       __m256 d[kMaxG][4];
@@ -322,6 +364,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
     }
 #endif
     for (; o < cnt; ++o) {
+      if (o < cnt_next) a.kp.PrefetchRows(nx.lk, nx.page, o, o + 1);
       const float* kr = a.kp.Row(lk, page, o, kbuf);
       V8 d[kMaxG];
       for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
@@ -343,6 +386,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
         for (int64_t c = 0; c < hv; ++c) acc[g][c] *= alpha;
     }
     for (int64_t o = 0; o < cnt; ++o) {
+      if (o < cnt_next) a.vp.PrefetchRows(nx.lk, nx.page, o, o + 1);
       const float* vr = a.vp.Row(lk, page, o, vbuf);
       for (int64_t c = 0; c < hv; ++c) {
         const V8 vc = Load(vr + 8 * c);
@@ -369,7 +413,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split) {
   }
 }
 
-using AttendFn = void (*)(const Args&, int64_t, int64_t, int64_t);
+using AttendFn = void (*)(const Args&, int64_t, int64_t, int64_t, bool, Ahead);
 
 // out = the parts' softmax states combined: m = max m_s, l = sum l_s e^(m_s - m), acc alike.
 void Merge(const Args& a) {
@@ -424,13 +468,24 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
+// Each thread claims its next item before running the current one, so that the next
+// item's first page is fetched during the current item's last page.
 void Drain(Shared* sh) {
-  for (;;) {
-    const int64_t i = sh->next.fetch_add(1);
-    if (i >= sh->items) return;
-    const int64_t rk = i / sh->args.splits;
-    sh->fn(sh->args, rk / sh->args.K, rk % sh->args.K, i % sh->args.splits);
+  const Args& a = sh->args;
+  int64_t i = sh->next.fetch_add(1);
+  bool fetched = false;
+  while (i < sh->items) {
+    const int64_t j = sh->next.fetch_add(1);
+    Ahead after;
+    if (j < sh->items) {
+      const int64_t rkj = j / a.splits;
+      after = FirstPage(a, rkj / a.K, rkj % a.K, j % a.splits);
+    }
+    const int64_t rk = i / a.splits;
+    sh->fn(a, rk / a.K, rk % a.K, i % a.splits, fetched, after);
     sh->done.fetch_add(1, std::memory_order_release);
+    fetched = after.cnt > 0;
+    i = j;
   }
 }
 
