@@ -1,7 +1,8 @@
 """The project's native CPU library: every `*.cc` XLA FFI handler, built and registered once.
 
-Two custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc) and
-`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc). The library is compiled on first use
+Three custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
+`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc) and `jaxinfer_bf16_tile_matmul`
+(block_matmul/cpu_amx.cc, Intel AMX; `amx_available()` says whether this CPU and OS run it). The library is compiled on first use
 with the machine's C++ compiler (about 6 s) into the cache (`$JAXINFER_CACHE/native`,
 default ~/.cache/jaxinfer/native), keyed by the sources, the flags, the compiler and jax's
 version, and written atomically so concurrent processes can build it at once. Without a
@@ -28,10 +29,12 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"))
+           os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
+           os.path.join(_HERE, "block_matmul", "cpu_amx.cc"))
 # custom-call target -> the handler symbol the library exports
 TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
-           "jaxinfer_block_matmul": "JaxinferBlockMatmul"}
+           "jaxinfer_block_matmul": "JaxinferBlockMatmul",
+           "jaxinfer_bf16_tile_matmul": "JaxinferBf16TileMatmul"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -115,3 +118,15 @@ def available() -> bool:
       except (RuntimeError, OSError, AttributeError) as e:
         log.warning("native CPU library unavailable (%s); using XLA ops", e)
     return _state["ok"]
+
+
+def amx_available() -> bool:
+  """Whether the bf16 tile matmul can run: the library is available, the CPU has AMX-TILE
+  and AMX-BF16, Linux granted this process the tile state, and JAXINFER_AMX is not 0 (read
+  at each call: executors built after it is set hold bf16 weights as bit patterns)."""
+  if os.environ.get("JAXINFER_AMX", "1") == "0" or not available():
+    return False
+  with _lock:
+    if "amx" not in _state:
+      _state["amx"] = bool(_state["lib"].JaxinferAmxAvailable())
+    return _state["amx"]

@@ -143,20 +143,36 @@ def bf16_smollm2(smollm2):
   return dataclasses.replace(smollm2, params=cast_params(smollm2.params, jnp.bfloat16))
 
 
-def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2):
-  """dtype="bfloat16" on CPU: the executor holds the stacked layer weights as uint16 bit
-  patterns and runs float32 activations with bf16 matmul inputs (params.as_bit_patterns);
-  its logits stay within bf16 rounding of HF's float32 ones."""
+def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2, monkeypatch):
+  """dtype="bfloat16" on CPU: the executor holds the layer weights and the LM head in AMX
+  tiles read in place (params.as_tiles) where the CPU has AMX, else the stacked layer
+  weights as uint16 bit patterns (params.as_bit_patterns, also with JAXINFER_AMX=0); both
+  run float32 activations with bf16 matmul inputs, and their logits stay within bf16
+  rounding of HF's float32 ones and within summation order of each other."""
   import jax.numpy as jnp
   import torch
   from jaxinfer.executors.jax_executor import JaxExecutor
+  from pallas_kernels.block_matmul import tiles
   m = bf16_smollm2
-  assert JaxExecutor(m.cfg, m.params, num_pages=4, page_size=16).params["layers"]["wq"].dtype == jnp.uint16
   ids = m.tokenizer.encode(PROMPT)
-  ours = full_logits(m.cfg, m.params, ids)
   with torch.no_grad():
     ref = hf_smollm2(torch.tensor([ids])).logits[0].float().numpy()
-  assert 1e-4 < _rel(ours, ref) < 3e-2, _rel(ours, ref)  # bf16 weights: not f32, but close
+  layouts = {}
+  for amx in ("1", "0"):
+    monkeypatch.setenv("JAXINFER_AMX", amx)
+    p = JaxExecutor(m.cfg, m.params, num_pages=4, page_size=16).params
+    if "blocks" in p:
+      assert amx == "1" and tiles.available() and "wq" not in p["layers"]
+      assert p["blocks"]["layers"]["wq+wk+wv"]["tiles"].dtype == jnp.uint16
+      name = "tiles"
+    else:
+      assert p["layers"]["wq"].dtype == jnp.uint16
+      name = "bits"
+    layouts[name] = full_logits(m.cfg, m.params, ids)
+    assert 1e-4 < _rel(layouts[name], ref) < 3e-2, (name, _rel(layouts[name], ref))
+  assert "bits" in layouts
+  if tiles.available():
+    assert "tiles" in layouts and _rel(layouts["tiles"], layouts["bits"]) < 5e-3
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from jaxinfer import attention
 from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
-from jaxinfer.model.params import as_bit_patterns
+from jaxinfer.model.params import cpu_layout
 from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
@@ -78,8 +78,8 @@ class JaxExecutor:
       if self.devices[0] != jax.devices()[0]:  # a data-parallel replica's own device
         self.params = jax.device_put(params, self.devices[0])
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
-      if self.devices[0].platform == "cpu":  # bf16 layer weights: see as_bit_patterns
-        self.params = as_bit_patterns(self.params)
+      if self.devices[0].platform == "cpu":  # bf16 weights: AMX tiles or bit patterns
+        self.params = cpu_layout(self.params)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self._model_step, self._forward_step, self._draft_step = steps_for(
         params, self.devices[0].platform)

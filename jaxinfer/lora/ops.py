@@ -163,8 +163,9 @@ def half_dot(x, w, spec: str):
 
 def project(x, p, name: str, lw, batch):
   """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
-  (lw = (pool, layer index)). p["blocks"] = (the stacked GGUF block weights, layer index)
-  when this step reads the file's own blocks (weight_format="gguf", transformer.py)."""
+  (lw = (pool, layer index)). p["blocks"] = (the stacked native weights, layer index) when
+  this step reads them: the GGUF file's own blocks (weight_format="gguf") or bf16 weights
+  in AMX tiles (params.as_tiles); see transformer.py."""
   return project_group(x, p, (name,), None, lw, batch)[0]
 
 
@@ -175,15 +176,11 @@ def project_group(x, p, names, sizes, lw, batch):
   blocks = p.get("blocks")
   fused = "+".join(names)
   if blocks is not None and len(names) > 1 and fused in blocks[0]:
-    from pallas_kernels import block_matmul
-    w = blocks[0][fused]
-    y = block_matmul.matmul(x, w["codes"], w["scales"], blocks[1]).astype(x.dtype)
+    y = _stacked_matmul(x, blocks[0][fused], blocks[1]).astype(x.dtype)
     outs = jnp.split(y, len(names) if sizes is None else np.cumsum(sizes)[:-1].tolist(),
                      axis=-1)
   elif blocks is not None and all(n in blocks[0] for n in names):
-    from pallas_kernels import block_matmul
-    outs = [block_matmul.matmul(x, blocks[0][n]["codes"], blocks[0][n]["scales"],
-                                blocks[1]).astype(x.dtype) for n in names]
+    outs = [_stacked_matmul(x, blocks[0][n], blocks[1]).astype(x.dtype) for n in names]
   else:
     outs = [dense_matmul(x, p[n]) for n in names]
   if lw is not None:
@@ -191,3 +188,13 @@ def project_group(x, p, names, sizes, lw, batch):
     outs = [y + delta(x, pool[n]["a"], pool[n]["b"], layer, batch).astype(y.dtype)
             if n in pool else y for n, y in zip(names, outs)]
   return outs
+
+
+def _stacked_matmul(x, w, layer):
+  """x @ layer `layer` of a stacked native weight: AMX tiles ({"tiles"}) or GGUF blocks
+  ({"codes", "scales"})."""
+  if "tiles" in w:
+    from pallas_kernels.block_matmul import tiles
+    return tiles.matmul(x, w["tiles"], layer)
+  from pallas_kernels import block_matmul
+  return block_matmul.matmul(x, w["codes"], w["scales"], layer)

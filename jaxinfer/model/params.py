@@ -99,6 +99,45 @@ def as_bit_patterns(params):
   return dict(params, layers=jax.tree_util.tree_map(bits, layers))
 
 
+# Weights packed together into one tile matrix (one native call per group), as the GGUF
+# blocks fuse them (loading/registry.py): the projections that read the same input.
+TILE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
+def as_tiles(params):
+  """bf16 stacked layer weights and the LM head packed into Intel AMX's tile layout
+  (pallas_kernels.block_matmul.tiles), read in place by layer index: no layer's slice is
+  copied out of the stack, and steps of any size multiply on the matrix units. The packed
+  groups go to params["blocks"] (the place of the GGUF blocks; transformer.py reads either)
+  and leave params["layers"], which keeps the norms. None when the weights are not bf16,
+  a shape does not fit the layout, the model already carries blocks, or the CPU / OS
+  offers no AMX (the caller then keeps `as_bit_patterns`)."""
+  layers = params.get("layers") if isinstance(params, dict) else None
+  if not isinstance(layers, dict) or "blocks" in params:
+    return None
+  names = [n for g in TILE_GROUPS for n in g]
+  if not all(n in layers and layers[n].dtype == jnp.bfloat16 for n in names):
+    return None
+  from pallas_kernels.block_matmul import tiles
+  head = params["lm_head"] if "lm_head" in params else params["embed"].T
+  fused = {"+".join(g): (jnp.concatenate([layers[n] for n in g], -1) if len(g) > 1
+                         else layers[g[0]]) for g in TILE_GROUPS}
+  if not (tiles.packable(head) and all(tiles.packable(w) for w in fused.values())
+          and tiles.available()):
+    return None
+  blocks = {"layers": {k: {"tiles": tiles.pack(w)} for k, w in fused.items()},
+            "lm_head": {"tiles": tiles.pack(head)}}
+  rest = {k: v for k, v in layers.items() if k not in names}
+  out = {k: v for k, v in params.items() if k != "lm_head"}
+  return dict(out, layers=rest, blocks=blocks)
+
+
+def cpu_layout(params):
+  """The layout a single-device CPU executor holds: bf16 weights in AMX tiles where the
+  CPU has them (`as_tiles`), else as bit patterns (`as_bit_patterns`); f32 unchanged."""
+  return as_tiles(params) or as_bit_patterns(params)
+
+
 def from_bit_patterns(p):
   """A layer's weights with uint16 bit patterns (as_bit_patterns) read back as bf16."""
   return jax.tree_util.tree_map(

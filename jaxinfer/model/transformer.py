@@ -46,8 +46,8 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   lp = params["layers"]
   bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
                                       for a in jax.tree_util.tree_leaves(lp))
-  if bits:  # bf16 weights held as bit patterns (CPU): float32 activations, bf16 matmuls
-    dtype = jnp.float32
+  if bits or has_tiles(params):  # bf16 weights held as bit patterns or AMX tiles (CPU):
+    dtype = jnp.float32  # float32 activations, bf16 matmul inputs
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
   L = cfg.num_layers if num_layers is None else num_layers
@@ -94,10 +94,18 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   return x, ks, vs
 
 
+def has_tiles(params) -> bool:
+  """Whether params["blocks"] holds AMX tiles (params.as_tiles) rather than GGUF blocks."""
+  head = params.get("blocks", {}).get("lm_head") if isinstance(params, dict) else None
+  return isinstance(head, dict) and "tiles" in head
+
+
 def block_weights(params, rows: int, part: str):
-  """params["blocks"][part] when this step (`rows` rows, static) reads the block weights."""
+  """params["blocks"][part] when this step (`rows` rows, static) reads the block weights:
+  GGUF blocks up to BLOCK_MATMUL_MAX_TOKENS rows; AMX tiles at every size (they replace
+  the dense weights, and beat XLA's bf16 dot at 1-256 rows: see tiles.py)."""
   blocks = params.get("blocks")
-  if blocks is None or rows > BLOCK_MATMUL_MAX_TOKENS:
+  if blocks is None or (rows > BLOCK_MATMUL_MAX_TOKENS and not has_tiles(params)):
     return None
   return blocks.get(part)
 
@@ -105,7 +113,10 @@ def block_weights(params, rows: int, part: str):
 def lm_head(params, x):
   """x [S, D] -> logits [S, V] float32."""
   head = block_weights(params, x.shape[0], "lm_head")
-  if head is not None:
+  if head is not None and "tiles" in head:
+    from pallas_kernels.block_matmul import tiles
+    logits = tiles.matmul(x, head["tiles"])
+  elif head is not None:
     from pallas_kernels import block_matmul
     logits = block_matmul.matmul(x, head["codes"], head["scales"])
   elif "lm_head" in params:

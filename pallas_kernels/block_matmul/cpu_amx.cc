@@ -1,0 +1,232 @@
+// bfloat16 weight matmul on Intel AMX for XLA:CPU, as an XLA FFI custom call (see
+// block_matmul/tiles.py): y[M, N] = bf16(x)[M, K] . W[K, N], float32 accumulation, with W
+// held in AMX's own tile layout and read where it lies (a leading layer axis and a layer
+// operand, as cpu_matmul.cc: a scanned model never copies a layer's slice out).
+//
+// Tile layout of W [K, N] (tiles.pack): [N / 16, K / 2, 16, 2] bfloat16 bits, i.e. for each
+// block of 16 output columns, rows of 16 column pairs (k, k + 1): one 64-byte row of a B tile
+// per pair of K, so a B tile (16 rows: 32 values of K for 16 columns) is 1 KiB contiguous.
+//
+// x is rounded to bf16 (round to nearest even, as XLA's convert) into [ceil(M / 16) * 16, K]
+// with zero rows past M, once per call. Work items are groups of up to four column blocks
+// (64 columns); per item, each 16-row block of x runs K in steps of 32: one A tile, then a
+// B tile and a TDPBF16PS per column block into four C tiles. Items are shared by the caller
+// and tasks on XLA's intra-op pool (as cpu_matmul.cc); each thread loads its tile
+// configuration once per call and releases it at the end.
+//
+// AMX needs the CPU's AMX-TILE and AMX-BF16 (cpuid) and Linux's permission for the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked for once): JaxinferAmxAvailable() reports
+// both, and tiles.py keeps XLA's matmul where it says no.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define JX_HAVE_AMX 1
+#define JX_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 16;        // output columns per block (a C tile's width)
+constexpr int64_t kKStep = 32;       // K per tile step (a row of A: 32 bf16 = 64 bytes)
+constexpr int64_t kGroup = 4;        // column blocks per work item (four C tiles)
+constexpr int64_t kMinParallelItems = 4;
+
+#ifdef JX_HAVE_AMX
+bool AskAmx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  if (!tile || !bf16) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+const bool kAmx = AskAmx();
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct Args {
+  const uint16_t* xb;  // [Mp, K] bf16 bits
+  const uint16_t* w;   // this layer's [N / 16, K / 2, 16, 2]
+  float* y;            // [M, N]
+  int64_t M, Mp, N, K, items;
+};
+
+JX_AMX void Configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {  // C0-C3: 16 x 16 f32; A (4), B (5, 6): 16 x 64 bytes
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One 16-row block of x (from row m0) against NB column blocks from block j0.
+template <int NB>
+JX_AMX void Tile(const Args& a, int64_t m0, int64_t j0, float* tmp) {
+  _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (NB > 2) _tile_zero(2);
+  if (NB > 3) _tile_zero(3);
+  const int64_t xs = a.K * 2, half = a.K / 2;
+  const uint16_t* xrow = a.xb + m0 * a.K;
+  const uint16_t* w0 = a.w + j0 * half * 32;  // a column block: (K / 2) rows of 32 values
+  const int64_t blk = half * 32;
+  for (int64_t k = 0; k < a.K; k += kKStep) {
+    _tile_loadd(4, xrow + k, xs);
+    const uint16_t* b = w0 + (k / 2) * 32;  // 16 rows of 64 bytes from pair k / 2
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NB > 1) {
+      _tile_loadd(6, b + blk, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (NB > 2) {
+      _tile_loadd(5, b + 2 * blk, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (NB > 3) {
+      _tile_loadd(6, b + 3 * blk, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  const int64_t rows = a.M - m0 < 16 ? a.M - m0 : 16;
+  float* out = a.y + m0 * a.N + j0 * kCols;
+  if (rows == 16) {  // straight into y
+    _tile_stored(0, out, a.N * 4);
+    if (NB > 1) _tile_stored(1, out + kCols, a.N * 4);
+    if (NB > 2) _tile_stored(2, out + 2 * kCols, a.N * 4);
+    if (NB > 3) _tile_stored(3, out + 3 * kCols, a.N * 4);
+    return;
+  }
+  _tile_stored(0, tmp, kGroup * kCols * 4);  // the valid rows through a scratch block
+  if (NB > 1) _tile_stored(1, tmp + kCols, kGroup * kCols * 4);
+  if (NB > 2) _tile_stored(2, tmp + 2 * kCols, kGroup * kCols * 4);
+  if (NB > 3) _tile_stored(3, tmp + 3 * kCols, kGroup * kCols * 4);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out + r * a.N, tmp + r * kGroup * kCols, NB * kCols * 4);
+}
+
+JX_AMX void Item(const Args& a, int64_t item, float* tmp) {
+  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+  const int64_t nb = blocks - j0 < kGroup ? blocks - j0 : kGroup;
+  for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+    switch (nb) {
+      case 1: Tile<1>(a, m0, j0, tmp); break;
+      case 2: Tile<2>(a, m0, j0, tmp); break;
+      case 3: Tile<3>(a, m0, j0, tmp); break;
+      default: Tile<4>(a, m0, j0, tmp); break;
+    }
+  }
+}
+
+struct Shared {
+  Args args;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+JX_AMX void Drain(Shared* sh) {
+  alignas(64) float tmp[16 * kGroup * kCols];
+  bool configured = false;
+  for (;;) {
+    const int64_t i = sh->next.fetch_add(1);
+    if (i >= sh->args.items) break;
+    if (!configured) {
+      Configure();
+      configured = true;
+    }
+    Item(sh->args, i, tmp);
+    sh->done.fetch_add(1, std::memory_order_release);
+  }
+  if (configured) _tile_release();
+}
+
+// float32 -> bfloat16 bits, round to nearest even (NaN kept a quiet NaN), as XLA converts.
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+#endif  // JX_HAVE_AMX
+
+ffi::Error AmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                   ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+#ifdef JX_HAVE_AMX
+  if (!kAmx) return ffi::Error::Internal("bf16 tile matmul: this CPU or OS offers no AMX");
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || (wd.size() != 4 && wd.size() != 5) || wd[wd.size() - 1] != 2 ||
+      wd[wd.size() - 2] != kCols)
+    return ffi::Error::InvalidArgument("bf16 tile matmul: x [M, K], w [(L,) N/16, K/2, 16, 2] "
+                                       "expected");
+  const bool stacked = wd.size() == 5;
+  const int64_t L = stacked ? wd[0] : 1;
+  const int64_t blocks = wd[stacked ? 1 : 0], half = wd[stacked ? 2 : 1];
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->args;
+  a.M = xd[0];
+  a.K = xd[1];
+  a.N = blocks * kCols;
+  if (a.K != 2 * half || a.K % kKStep)
+    return ffi::Error::InvalidArgument("bf16 tile matmul: K must match w and be a multiple of 32");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("bf16 tile matmul: layer outside L");
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  a.w = w.typed_data() + l * blocks * half * 32;
+  a.y = y->typed_data();
+  a.Mp = (a.M + 15) / 16 * 16;
+  std::vector<uint16_t> xb(a.Mp * a.K, 0);
+  const float* xf = x.typed_data();
+  for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
+  a.xb = xb.data();
+  a.items = (blocks + kGroup - 1) / kGroup;
+  int64_t helpers = a.items >= kMinParallelItems ? pool.num_threads() : 0;
+  if (helpers > a.items - 1) helpers = a.items - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
+  Drain(sh.get());
+  while (sh->done.load(std::memory_order_acquire) < a.items) std::this_thread::yield();
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("bf16 tile matmul: built without AMX support (x86-64 Linux)");
+#endif
+}
+
+}  // namespace
+
+extern "C" int JaxinferAmxAvailable() {
+#ifdef JX_HAVE_AMX
+  return kAmx ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxinferBf16TileMatmul, AmxImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+        .Arg<ffi::Buffer<ffi::U16>>()   // w [(L,) N/16, K/2, 16, 2] bf16 bits
+        .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

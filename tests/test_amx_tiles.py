@@ -1,0 +1,66 @@
+"""The bf16 AMX tile matmul (pallas_kernels/block_matmul/tiles.py, cpu_amx.cc) against its
+jnp oracle; the tile layout against the weights it packs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_matmul import tiles
+
+needs_amx = pytest.mark.skipif(not tiles.available() or jax.default_backend() != "cpu",
+                               reason="the tile matmul needs Intel AMX (AMX-TILE, AMX-BF16)")
+
+
+def _w(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def test_pack_is_the_documented_layout_and_unpack_inverts_it():
+  w = _w(np.random.default_rng(0), 2, 64, 48)
+  t = np.asarray(tiles.pack(w))
+  bits = np.asarray(jax.lax.bitcast_convert_type(w, jnp.uint16))
+  assert t.shape == (2, 3, 32, 16, 2)
+  for (l, j, p, c, e) in [(0, 0, 0, 0, 0), (1, 2, 31, 15, 1), (0, 1, 7, 3, 1), (1, 0, 5, 9, 0)]:
+    assert t[l, j, p, c, e] == bits[l, 2 * p + e, 16 * j + c]
+  assert (np.asarray(tiles.unpack(t)) == np.asarray(w)).all()
+
+
+def test_unpackable_shapes_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"K % 32 == 0 and N % 16 == 0; got bfloat16 \(48, 32\)"):
+    tiles.pack(jnp.zeros((48, 32), jnp.bfloat16))
+  assert not tiles.packable(jnp.zeros((64, 40), jnp.bfloat16))
+  assert not tiles.packable(jnp.zeros((64, 32), jnp.float32))
+
+
+@needs_amx
+def test_matmul_matches_reference():
+  """Row counts around the 16-row A tile (1, 5, 16, 17, 40), column counts that leave 1-4
+  column blocks in the last group of four (16 ... 80), K of one and of several 32-steps, a
+  stacked layer read by index, and an input that is not bf16-exact (rounded as XLA does)."""
+  rng = np.random.default_rng(1)
+  for K, N in ((32, 16), (96, 48), (64, 80), (128, 64)):
+    w = _w(rng, 3, K, N)
+    t = tiles.pack(w)
+    f = jax.jit(tiles.matmul)
+    for M in (1, 5, 16, 17, 40):
+      x = rng.standard_normal((M, K)).astype(np.float32)
+      for layer in (0, 2):
+        got = np.asarray(f(x, t, layer))
+        want = np.asarray(tiles.reference(x, t, layer))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4,
+                                   err_msg=f"K={K} N={N} M={M} layer={layer}")
+  # one unstacked weight; x rounded to bf16 first: the same as rounding it by hand
+  w = _w(rng, 64, 32)
+  x = rng.standard_normal((3, 64)).astype(np.float32)
+  xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(tiles.matmul(x, tiles.pack(w))),
+                             np.asarray(tiles.matmul(xb, tiles.pack(w))), rtol=0, atol=0)
+
+
+@needs_amx
+def test_a_layer_outside_the_stack_fails_the_call():
+  t = tiles.pack(_w(np.random.default_rng(2), 2, 32, 16))
+  with pytest.raises(Exception, match="layer outside L"):
+    np.asarray(tiles.matmul(np.ones((1, 32), np.float32), t, 2))
