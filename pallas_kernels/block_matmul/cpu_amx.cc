@@ -26,7 +26,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__x86_64__) && defined(__linux__)
+// AMX intrinsics need GCC 11 / Clang 12 or later; older compilers build the library
+// without this path (the call then reports an error and tiles.py never selects it).
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
