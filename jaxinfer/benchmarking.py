@@ -62,20 +62,28 @@ def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
 
 
 def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
-                     repeats: int = 5, dtype=jnp.float32) -> float:
+                     repeats: int = 5, dtype=jnp.float32, tiles: bool = False) -> float:
   """FLOP/s of XLA's matmuls at a step's own shapes: `rows` token rows through each
   layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
-  (bf16: float32 accumulation and result, as the model's dense_matmul). The compute
-  floor of a step is its FLOPs over this rate."""
+  (bf16: float32 accumulation and result, as the model's dense_matmul). tiles=True: the
+  bf16 AMX tile matmul's rate instead (pallas_kernels.block_matmul.tiles; f32 x, bf16
+  weights in the tile layout), as a CPU executor runs bf16 weights where it can. The
+  compute floor of a step is its FLOPs over the rate of what runs it."""
   lm_rows = rows if lm_rows is None else lm_rows
   rng = np.random.default_rng(0)
   flops = secs = 0.0
+  if tiles:
+    from pallas_kernels.block_matmul import tiles as amx
   for d_in, d_out, count in weight_matmul_shapes(cfg):
     m = lm_rows if d_out == cfg.vocab_size else rows
     x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)
     w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32), dtype)
-    t = median_time(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
-                    x, w, repeats=repeats)
+    if tiles:
+      t = median_time(jax.jit(amx.matmul), x.astype(jnp.float32), amx.pack(w),
+                      repeats=repeats)
+    else:
+      t = median_time(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
+                      x, w, repeats=repeats)
     flops += 2 * m * d_in * d_out * count
     secs += t * count
   return flops / secs

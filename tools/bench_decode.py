@@ -97,11 +97,16 @@ def main(argv):
   # and the norms; compared with the dense d_w below
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
+  # bf16 rows: a CPU executor runs them on AMX tiles where it can (params.as_tiles)
+  from pallas_kernels.block_matmul import tiles
+  amx = ("dense", "bfloat16") in variants and tiles.available() and all(
+      i % 32 == 0 and o % 16 == 0 for i, o, _ in bm.weight_matmul_shapes(cfg))
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
-        f"{','.join(FLAGS.attention)}", flush=True)
+        f"{','.join(FLAGS.attention)}" + ("; bf16 weights on AMX tiles" if amx else ""),
+        flush=True)
   hf = bm.hf_model(m.source) if FLAGS.hf else None
   hf_of = {"float32": hf}
   if hf is not None and "bfloat16" in FLAGS.dtypes:
@@ -112,11 +117,11 @@ def main(argv):
                           + 64) if FLAGS.llama_cpp else None
   rates = {}
 
-  def rate(rows, lm_rows, dtype="float32"):
-    if (rows, lm_rows, dtype) not in rates:
-      rates[rows, lm_rows, dtype] = bm.step_matmul_rate(cfg, rows, lm_rows, FLAGS.repeats,
-                                                        dtype=jax.numpy.dtype(dtype))
-    return rates[rows, lm_rows, dtype]
+  def rate(rows, lm_rows, dtype="float32", tiles=False):
+    if (rows, lm_rows, dtype, tiles) not in rates:
+      rates[rows, lm_rows, dtype, tiles] = bm.step_matmul_rate(
+          cfg, rows, lm_rows, FLAGS.repeats, dtype=jax.numpy.dtype(dtype), tiles=tiles)
+    return rates[rows, lm_rows, dtype, tiles]
 
   rows, skipped = [], []
   for kv_format in FLAGS.kv_formats:
@@ -136,11 +141,12 @@ def main(argv):
                   # gguf: XLA's f32 rate at these shapes is no floor for the block call
                   ("gguf", "float32"): ((costs.step_bytes(seqs) - costs.d_w + block_bytes)
                                         / bw, costs.step_flops(seqs) / peak)}
-        if "bfloat16" in FLAGS.dtypes:  # its rate at >= 16 rows (fewer are padded to 16)
-          r16 = max(B, 16)
+        if "bfloat16" in FLAGS.dtypes:  # the AMX tile call's rate where it runs the step,
+          # else XLA's at >= 16 rows (fewer are padded to 16)
+          r16 = B if amx else max(B, 16)
           bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
           floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
-                                         rate(r16, r16, "bfloat16") + attn / peak)
+                                         rate(r16, r16, "bfloat16", amx) + attn / peak)
         th, tl = {}, None
         for dt, h in hf_of.items():
           if h is not None and kv_format == "f32":
@@ -229,7 +235,7 @@ def main(argv):
 
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9,
+    out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9, "bf16_on_amx": amx,
            "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped,
            "host_time": host}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:
