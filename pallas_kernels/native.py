@@ -1,8 +1,9 @@
 """The project's native CPU library: every `*.cc` XLA FFI handler, built and registered once.
 
-Three custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
-`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc) and `jaxinfer_bf16_tile_matmul`
-(block_matmul/cpu_amx.cc, Intel AMX; `amx_available()` says whether this CPU and OS run it). The library is compiled on first use
+Four custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
+`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc), `jaxinfer_bf16_tile_matmul`
+(block_matmul/cpu_amx.cc, Intel AMX; `amx_available()` says whether this CPU and OS run it)
+and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512; `panels_available()`). The library is compiled on first use
 with the machine's C++ compiler (about 6 s) into the cache (`$JAXINFER_CACHE/native`,
 default ~/.cache/jaxinfer/native), keyed by the sources, the flags, the compiler and jax's
 version, and written atomically so concurrent processes can build it at once. Without a
@@ -30,11 +31,13 @@ log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_amx.cc"))
+           os.path.join(_HERE, "block_matmul", "cpu_amx.cc"),
+           os.path.join(_HERE, "block_matmul", "cpu_panels.cc"))
 # custom-call target -> the handler symbol the library exports
 TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
            "jaxinfer_block_matmul": "JaxinferBlockMatmul",
-           "jaxinfer_bf16_tile_matmul": "JaxinferBf16TileMatmul"}
+           "jaxinfer_bf16_tile_matmul": "JaxinferBf16TileMatmul",
+           "jaxinfer_f32_panel_matmul": "JaxinferF32PanelMatmul"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -130,3 +133,14 @@ def amx_available() -> bool:
     if "amx" not in _state:
       _state["amx"] = bool(_state["lib"].JaxinferAmxAvailable())
     return _state["amx"]
+
+
+def panels_available() -> bool:
+  """Whether the f32 panel matmul can run: the library is available, the CPU has AVX-512F,
+  and JAXINFER_PANELS is not 0 (read at each call, as JAXINFER_AMX)."""
+  if os.environ.get("JAXINFER_PANELS", "1") == "0" or not available():
+    return False
+  with _lock:
+    if "panels" not in _state:
+      _state["panels"] = bool(_state["lib"].JaxinferPanelsAvailable())
+    return _state["panels"]

@@ -121,8 +121,9 @@ def test_unrolled_steps_equal_scanned_and_never_copy_the_pool(qwen3_dir):
       pool_shape = "f32[" + ",".join(map(str, ex.pool["k"].shape)) + "]"
       copies = [ln for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
       assert not copies, copies
-  for a, b in zip(got[False], got[True]):
-    np.testing.assert_array_equal(a, b)
+  for a, b in zip(got[False], got[True]):  # scanned layers run the native panel matmul
+    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # tokens
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # and logprobs: summation order
 
 
 def test_scan_layers_equal_unrolled(qwen3_dir):
@@ -145,7 +146,7 @@ def bf16_smollm2(smollm2):
 
 def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2, monkeypatch):
   """dtype="bfloat16" on CPU: the executor holds the layer weights and the LM head in AMX
-  tiles read in place (params.as_tiles) where the CPU has AMX, else the stacked layer
+  tiles read in place (params.as_native) where the CPU has AMX, else the stacked layer
   weights as uint16 bit patterns (params.as_bit_patterns, also with JAXINFER_AMX=0); both
   run float32 activations with bf16 matmul inputs, and their logits stay within bf16
   rounding of HF's float32 ones and within summation order of each other."""

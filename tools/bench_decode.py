@@ -97,7 +97,7 @@ def main(argv):
   # and the norms; compared with the dense d_w below
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
-  # bf16 rows: a CPU executor runs them on AMX tiles where it can (params.as_tiles)
+  # bf16 rows: a CPU executor runs them on AMX tiles where it can (params.as_native)
   from pallas_kernels.block_matmul import tiles
   amx = ("dense", "bfloat16") in variants and tiles.available() and all(
       i % 32 == 0 and o % 16 == 0 for i, o, _ in bm.weight_matmul_shapes(cfg))

@@ -164,8 +164,8 @@ def half_dot(x, w, spec: str):
 def project(x, p, name: str, lw, batch):
   """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
   (lw = (pool, layer index)). p["blocks"] = (the stacked native weights, layer index) when
-  this step reads them: the GGUF file's own blocks (weight_format="gguf") or bf16 weights
-  in AMX tiles (params.as_tiles); see transformer.py."""
+  this step reads them: the GGUF file's own blocks (weight_format="gguf"), or bf16 / f32
+  weights in AMX tiles / AVX-512 panels (params.as_native); see transformer.py."""
   return project_group(x, p, (name,), None, lw, batch)[0]
 
 
@@ -176,11 +176,11 @@ def project_group(x, p, names, sizes, lw, batch):
   blocks = p.get("blocks")
   fused = "+".join(names)
   if blocks is not None and len(names) > 1 and fused in blocks[0]:
-    y = _stacked_matmul(x, blocks[0][fused], blocks[1]).astype(x.dtype)
+    y = stacked_matmul(x, blocks[0][fused], blocks[1]).astype(x.dtype)
     outs = jnp.split(y, len(names) if sizes is None else np.cumsum(sizes)[:-1].tolist(),
                      axis=-1)
   elif blocks is not None and all(n in blocks[0] for n in names):
-    outs = [_stacked_matmul(x, blocks[0][n], blocks[1]).astype(x.dtype) for n in names]
+    outs = [stacked_matmul(x, blocks[0][n], blocks[1]).astype(x.dtype) for n in names]
   else:
     outs = [dense_matmul(x, p[n]) for n in names]
   if lw is not None:
@@ -190,11 +190,14 @@ def project_group(x, p, names, sizes, lw, batch):
   return outs
 
 
-def _stacked_matmul(x, w, layer):
-  """x @ layer `layer` of a stacked native weight: AMX tiles ({"tiles"}) or GGUF blocks
-  ({"codes", "scales"})."""
+def stacked_matmul(x, w, layer=None):
+  """x @ layer `layer` of a stacked native weight (or of an unstacked one): AMX tiles
+  ({"tiles"}), f32 panels ({"panels"}) or GGUF blocks ({"codes", "scales"})."""
   if "tiles" in w:
     from pallas_kernels.block_matmul import tiles
     return tiles.matmul(x, w["tiles"], layer)
+  if "panels" in w:
+    from pallas_kernels.block_matmul import panels
+    return panels.matmul(x, w["panels"], layer)
   from pallas_kernels import block_matmul
   return block_matmul.matmul(x, w["codes"], w["scales"], layer)

@@ -7,6 +7,7 @@ dicts (unrolled; JAX-FACTS.md: slicing stacked weights inside jit copies them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Tuple
 
 import jax
@@ -99,43 +100,71 @@ def as_bit_patterns(params):
   return dict(params, layers=jax.tree_util.tree_map(bits, layers))
 
 
-# Weights packed together into one tile matrix (one native call per group), as the GGUF
-# blocks fuse them (loading/registry.py): the projections that read the same input.
-TILE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+# Weights packed together into one native matrix (one call per group), as the GGUF blocks
+# fuse them (loading/registry.py): the projections that read the same input.
+NATIVE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
-def as_tiles(params):
-  """bf16 stacked layer weights and the LM head packed into Intel AMX's tile layout
-  (pallas_kernels.block_matmul.tiles), read in place by layer index: no layer's slice is
-  copied out of the stack, and steps of any size multiply on the matrix units. The packed
-  groups go to params["blocks"] (the place of the GGUF blocks; transformer.py reads either)
-  and leave params["layers"], which keeps the norms. None when the weights are not bf16,
-  a shape does not fit the layout, the model already carries blocks, or the CPU / OS
-  offers no AMX (the caller then keeps `as_bit_patterns`)."""
+def as_native(params):
+  """Stacked layer weights and the LM head packed for the native CPU matmuls, read in
+  place by layer index (no layer's slice is copied out of the stack, as XLA:CPU does for
+  its own dot): bf16 weights into Intel AMX tiles (pallas_kernels.block_matmul.tiles),
+  float32 ones into AVX-512 column panels (block_matmul.panels). The packed groups go to
+  params["blocks"] (the place of the GGUF blocks; transformer.py reads either) and leave
+  params["layers"], which keeps the norms. None when the weights are neither, a shape does
+  not fit the layout, the model already carries blocks, or the CPU lacks the instructions
+  (the caller then keeps `as_bit_patterns` / the dense weights)."""
   layers = params.get("layers") if isinstance(params, dict) else None
   if not isinstance(layers, dict) or "blocks" in params:
     return None
-  names = [n for g in TILE_GROUPS for n in g]
-  if not all(n in layers and layers[n].dtype == jnp.bfloat16 for n in names):
+  names = [n for g in NATIVE_GROUPS for n in g]
+  dtype = layers["wq"].dtype if "wq" in layers else None
+  if dtype not in (jnp.bfloat16, jnp.float32) or not all(
+      n in layers and layers[n].dtype == dtype for n in names):
     return None
-  from pallas_kernels.block_matmul import tiles
+  from pallas_kernels.block_matmul import panels, tiles
+  kernel, key = (tiles, "tiles") if dtype == jnp.bfloat16 else (panels, "panels")
   head = params["lm_head"] if "lm_head" in params else params["embed"].T
   fused = {"+".join(g): (jnp.concatenate([layers[n] for n in g], -1) if len(g) > 1
-                         else layers[g[0]]) for g in TILE_GROUPS}
-  if not (tiles.packable(head) and all(tiles.packable(w) for w in fused.values())
-          and tiles.available()):
+                         else layers[g[0]]) for g in NATIVE_GROUPS}
+  if not (head.dtype == dtype and kernel.packable(head)
+          and all(kernel.packable(w) for w in fused.values()) and kernel.available()):
     return None
-  blocks = {"layers": {k: {"tiles": tiles.pack(w)} for k, w in fused.items()},
-            "lm_head": {"tiles": tiles.pack(head)}}
+  blocks = {"layers": {k: {key: kernel.pack(w)} for k, w in fused.items()},
+            "lm_head": {key: kernel.pack(head)}}
   rest = {k: v for k, v in layers.items() if k not in names}
   out = {k: v for k, v in params.items() if k != "lm_head"}
   return dict(out, layers=rest, blocks=blocks)
 
 
+class _ById:
+  """A params tree hashed by identity (lru_cache key): the same loaded weights are packed
+  once however many executors use them (a test's oracle builds one per forward)."""
+
+  def __init__(self, params):
+    self.params = params
+
+  def __hash__(self):
+    return id(self.params)
+
+  def __eq__(self, other):
+    return self.params is other.params
+
+
+@functools.lru_cache(maxsize=2)
+def _cpu_layout(key: _ById, kernels: tuple):
+  del kernels  # part of the cache key: which native kernels as_native could use
+  return as_native(key.params) or as_bit_patterns(key.params)
+
+
 def cpu_layout(params):
-  """The layout a single-device CPU executor holds: bf16 weights in AMX tiles where the
-  CPU has them (`as_tiles`), else as bit patterns (`as_bit_patterns`); f32 unchanged."""
-  return as_tiles(params) or as_bit_patterns(params)
+  """The layout a single-device CPU executor holds: `as_native` where the CPU runs it, else
+  bf16 weights as bit patterns (`as_bit_patterns`) and f32 ones as they are. The last two
+  params trees' layouts are kept (an executor built again on the same weights shares them)."""
+  if not isinstance(params, dict):
+    return params
+  from pallas_kernels.block_matmul import panels, tiles
+  return _cpu_layout(_ById(params), (tiles.available(), panels.available()))
 
 
 def from_bit_patterns(p):

@@ -46,7 +46,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   lp = params["layers"]
   bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
                                       for a in jax.tree_util.tree_leaves(lp))
-  if bits or has_tiles(params):  # bf16 weights held as bit patterns or AMX tiles (CPU):
+  if bits or native_weights(params):  # bf16 weights as bit patterns or AMX tiles (CPU):
     dtype = jnp.float32  # float32 activations, bf16 matmul inputs
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
@@ -94,18 +94,20 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   return x, ks, vs
 
 
-def has_tiles(params) -> bool:
-  """Whether params["blocks"] holds AMX tiles (params.as_tiles) rather than GGUF blocks."""
+def native_weights(params) -> bool:
+  """Whether params["blocks"] holds the native CPU layouts of params.as_native (AMX tiles,
+  f32 panels) rather than GGUF blocks."""
   head = params.get("blocks", {}).get("lm_head") if isinstance(params, dict) else None
-  return isinstance(head, dict) and "tiles" in head
+  return isinstance(head, dict) and ("tiles" in head or "panels" in head)
 
 
 def block_weights(params, rows: int, part: str):
   """params["blocks"][part] when this step (`rows` rows, static) reads the block weights:
-  GGUF blocks up to BLOCK_MATMUL_MAX_TOKENS rows; AMX tiles at every size (they replace
-  the dense weights, and beat XLA's bf16 dot at 1-256 rows: see tiles.py)."""
+  GGUF blocks up to BLOCK_MATMUL_MAX_TOKENS rows; the native layouts at every size (they
+  replace the dense weights, and beat XLA's dot and its slice copies at 1-256 rows: see
+  block_matmul/tiles.py and panels.py)."""
   blocks = params.get("blocks")
-  if blocks is None or (rows > BLOCK_MATMUL_MAX_TOKENS and not has_tiles(params)):
+  if blocks is None or (rows > BLOCK_MATMUL_MAX_TOKENS and not native_weights(params)):
     return None
   return blocks.get(part)
 
@@ -113,12 +115,9 @@ def block_weights(params, rows: int, part: str):
 def lm_head(params, x):
   """x [S, D] -> logits [S, V] float32."""
   head = block_weights(params, x.shape[0], "lm_head")
-  if head is not None and "tiles" in head:
-    from pallas_kernels.block_matmul import tiles
-    logits = tiles.matmul(x, head["tiles"])
-  elif head is not None:
-    from pallas_kernels import block_matmul
-    logits = block_matmul.matmul(x, head["codes"], head["scales"])
+  if head is not None:
+    from jaxinfer.lora.ops import stacked_matmul
+    logits = stacked_matmul(x, head)
   elif "lm_head" in params:
     logits = dense_matmul(x, params["lm_head"])
   elif params["embed"].dtype == jnp.float32:  # tied: the embedding's rows

@@ -1,5 +1,6 @@
-"""The bf16 AMX tile matmul (pallas_kernels/block_matmul/tiles.py, cpu_amx.cc) against its
-jnp oracle; the tile layout against the weights it packs."""
+"""The native CPU matmuls over weights packed for them, each against its jnp oracle and its
+layout against the weights it packs: bf16 on AMX tiles (pallas_kernels/block_matmul/
+tiles.py, cpu_amx.cc) and f32 in AVX-512 column panels (panels.py, cpu_panels.cc)."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_matmul import tiles
+from pallas_kernels.block_matmul import panels, tiles
 
 needs_amx = pytest.mark.skipif(not tiles.available() or jax.default_backend() != "cpu",
                                reason="the tile matmul needs Intel AMX (AMX-TILE, AMX-BF16)")
@@ -64,3 +65,37 @@ def test_a_layer_outside_the_stack_fails_the_call():
   t = tiles.pack(_w(np.random.default_rng(2), 2, 32, 16))
   with pytest.raises(Exception, match="layer outside L"):
     np.asarray(tiles.matmul(np.ones((1, 32), np.float32), t, 2))
+
+
+needs_avx512 = pytest.mark.skipif(not panels.available() or jax.default_backend() != "cpu",
+                                  reason="the panel matmul needs AVX-512F")
+
+
+def test_panels_layout_and_refusals():
+  w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 48)).astype(np.float32))
+  p = np.asarray(panels.pack(w))
+  assert p.shape == (2, 3, 5, 16)
+  assert p[1, 2, 4, 15] == np.asarray(w)[1, 4, 47] and p[0, 1, 3, 2] == np.asarray(w)[0, 3, 18]
+  assert (np.asarray(panels.unpack(p)) == np.asarray(w)).all()
+  with pytest.raises(ValueError, match=r"N % 16 == 0; got float32 \(8, 40\)"):
+    panels.pack(jnp.zeros((8, 40), jnp.float32))
+  assert not panels.packable(jnp.zeros((8, 32), jnp.bfloat16))
+
+
+@needs_avx512
+def test_panels_matmul_matches_reference():
+  """x rows in passes of six (1, 5, 6, 7, 13, 40 rows), the last group of four panels
+  holding 1-4 (N 16 ... 80), any K, a stacked layer read by index."""
+  rng = np.random.default_rng(4)
+  f = jax.jit(panels.matmul)
+  for K, N in ((5, 16), (96, 48), (64, 80), (33, 64)):
+    p = panels.pack(jnp.asarray(rng.standard_normal((3, K, N)).astype(np.float32)))
+    for M in (1, 5, 6, 7, 13, 40):
+      x = rng.standard_normal((M, K)).astype(np.float32)
+      for layer in (0, 2):
+        np.testing.assert_allclose(np.asarray(f(x, p, layer)),
+                                   np.asarray(panels.reference(x, p, layer)), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"K={K} N={N} M={M} layer={layer}")
+  with pytest.raises(Exception, match="layer outside L"):
+    np.asarray(panels.matmul(np.ones((1, 5), np.float32), panels.pack(
+        jnp.ones((1, 5, 16), jnp.float32)), 1))

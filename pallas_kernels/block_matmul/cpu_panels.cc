@@ -1,0 +1,161 @@
+// float32 weight matmul on AVX-512 for XLA:CPU, as an XLA FFI custom call (see
+// block_matmul/panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
+// read where it lies (a leading layer axis and a layer operand, as cpu_matmul.cc): a
+// scanned model never copies a layer's slice out of the stack, which XLA:CPU does for its
+// own dot (35 of a 63 ms SmolLM2 step at batch 1).
+//
+// Panel layout of W [K, N] (panels.pack): [N / 16, K, 16], i.e. each block of 16 output
+// columns is one contiguous stream of K rows of 16 floats (one zmm register each).
+//
+// Work items are groups of up to four column blocks (64 columns). Per item, x rows go in
+// passes of up to six: each k loads the group's four W vectors once and multiplies them
+// by six broadcast x values into 24 accumulators (4 + 1 + 24 of the 32 zmm registers).
+// Items are shared by the caller and tasks on XLA's intra-op pool (as cpu_matmul.cc).
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define JX_HAVE_512 1
+#define JX_512 __attribute__((target("avx512f,fma")))
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 16;   // a panel's width: one zmm of float32
+constexpr int64_t kGroup = 4;   // panels per work item
+constexpr int64_t kRows = 6;    // x rows per pass
+constexpr int64_t kMinParallelItems = 4;
+
+#ifdef JX_HAVE_512
+const bool kAvx512 = __builtin_cpu_supports("avx512f");
+
+struct Args {
+  const float* x;  // [M, K]
+  const float* w;  // this layer's [N / 16, K, 16]
+  float* y;        // [M, N]
+  int64_t M, N, K, items;
+};
+
+template <int MR, int NB>
+JX_512 void Pass(const Args& a, int64_t m0, int64_t j0) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const float* w = a.w + j0 * a.K * kCols;
+  const int64_t stride = a.K * kCols;  // from one panel to the next
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = 0; k < a.K; ++k) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + k * kCols);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * a.K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
+}
+
+template <int NB>
+JX_512 void Passes(const Args& a, int64_t j0) {
+  int64_t m = 0;
+  for (; m + kRows <= a.M; m += kRows) Pass<kRows, NB>(a, m, j0);
+  switch (a.M - m) {
+    case 1: Pass<1, NB>(a, m, j0); break;
+    case 2: Pass<2, NB>(a, m, j0); break;
+    case 3: Pass<3, NB>(a, m, j0); break;
+    case 4: Pass<4, NB>(a, m, j0); break;
+    case 5: Pass<5, NB>(a, m, j0); break;
+    default: break;
+  }
+}
+
+JX_512 void Item(const Args& a, int64_t item) {
+  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+  switch (blocks - j0 < kGroup ? blocks - j0 : kGroup) {
+    case 1: Passes<1>(a, j0); break;
+    case 2: Passes<2>(a, j0); break;
+    case 3: Passes<3>(a, j0); break;
+    default: Passes<4>(a, j0); break;
+  }
+}
+
+struct Shared {
+  Args args;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(Shared* sh) {
+  for (;;) {
+    const int64_t i = sh->next.fetch_add(1);
+    if (i >= sh->args.items) return;
+    Item(sh->args, i);
+    sh->done.fetch_add(1, std::memory_order_release);
+  }
+}
+#endif  // JX_HAVE_512
+
+ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+#ifdef JX_HAVE_512
+  if (!kAvx512) return ffi::Error::Internal("f32 panel matmul: this CPU has no AVX-512");
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || wd[wd.size() - 1] != kCols)
+    return ffi::Error::InvalidArgument("f32 panel matmul: x [M, K], w [(L,) N/16, K, 16] "
+                                       "expected");
+  const bool stacked = wd.size() == 4;
+  const int64_t L = stacked ? wd[0] : 1;
+  const int64_t blocks = wd[stacked ? 1 : 0];
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->args;
+  a.M = xd[0];
+  a.K = xd[1];
+  a.N = blocks * kCols;
+  if (wd[stacked ? 2 : 1] != a.K)
+    return ffi::Error::InvalidArgument("f32 panel matmul: K of x and w differ");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("f32 panel matmul: layer outside L");
+  if (a.M == 0 || a.N == 0) return ffi::Error::Success();
+  a.x = x.typed_data();
+  a.w = w.typed_data() + l * a.N * a.K;
+  a.y = y->typed_data();
+  a.items = (blocks + kGroup - 1) / kGroup;
+  int64_t helpers = a.items >= kMinParallelItems ? pool.num_threads() : 0;
+  if (helpers > a.items - 1) helpers = a.items - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
+  Drain(sh.get());
+  while (sh->done.load(std::memory_order_acquire) < a.items) std::this_thread::yield();
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("f32 panel matmul: built for x86-64 only");
+#endif
+}
+
+}  // namespace
+
+extern "C" int JaxinferPanelsAvailable() {
+#ifdef JX_HAVE_512
+  return kAvx512 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxinferF32PanelMatmul, PanelsImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+        .Arg<ffi::Buffer<ffi::F32>>()   // w [(L,) N/16, K, 16]
+        .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
