@@ -62,24 +62,26 @@ def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
 
 
 def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
-                     repeats: int = 5, dtype=jnp.float32, tiles: bool = False) -> float:
+                     repeats: int = 5, dtype=jnp.float32, native: bool = False) -> float:
   """FLOP/s of XLA's matmuls at a step's own shapes: `rows` token rows through each
   layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
-  (bf16: float32 accumulation and result, as the model's dense_matmul). tiles=True: the
-  bf16 AMX tile matmul's rate instead (pallas_kernels.block_matmul.tiles; f32 x, bf16
-  weights in the tile layout), as a CPU executor runs bf16 weights where it can. The
-  compute floor of a step is its FLOPs over the rate of what runs it."""
+  (bf16: float32 accumulation and result, as the model's dense_matmul). native=True: the
+  rate of the native CPU matmul a CPU executor runs such weights on instead
+  (model.params.as_native: bf16 AMX tiles, f32 AVX-512 panels; x float32, the weight in
+  its packed layout). The compute floor of a step is its FLOPs over the rate of what runs
+  it."""
   lm_rows = rows if lm_rows is None else lm_rows
   rng = np.random.default_rng(0)
   flops = secs = 0.0
-  if tiles:
-    from pallas_kernels.block_matmul import tiles as amx
+  if native:
+    from pallas_kernels.block_matmul import panels, tiles
+    kernel = tiles if jnp.dtype(dtype) == jnp.bfloat16 else panels
   for d_in, d_out, count in weight_matmul_shapes(cfg):
     m = lm_rows if d_out == cfg.vocab_size else rows
     x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)
     w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32), dtype)
-    if tiles:
-      t = median_time(jax.jit(amx.matmul), x.astype(jnp.float32), amx.pack(w),
+    if native:
+      t = median_time(jax.jit(kernel.matmul), x.astype(jnp.float32), kernel.pack(w),
                       repeats=repeats)
     else:
       t = median_time(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),

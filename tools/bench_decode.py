@@ -97,15 +97,18 @@ def main(argv):
   # and the norms; compared with the dense d_w below
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
-  # bf16 rows: a CPU executor runs them on AMX tiles where it can (params.as_native)
-  from pallas_kernels.block_matmul import tiles
+  # dense rows: a CPU executor runs them on its native matmuls where it can
+  # (params.as_native): bf16 on AMX tiles, f32 in AVX-512 panels
+  from pallas_kernels.block_matmul import panels, tiles
   amx = ("dense", "bfloat16") in variants and tiles.available() and all(
       i % 32 == 0 and o % 16 == 0 for i, o, _ in bm.weight_matmul_shapes(cfg))
+  pan = panels.available() and all(o % 16 == 0 for _, o, _ in bm.weight_matmul_shapes(cfg))
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
-        f"{','.join(FLAGS.attention)}" + ("; bf16 weights on AMX tiles" if amx else ""),
+        f"{','.join(FLAGS.attention)}" + ("; f32 weights in AVX-512 panels" if pan else "")
+        + ("; bf16 weights on AMX tiles" if amx else ""),
         flush=True)
   hf = bm.hf_model(m.source) if FLAGS.hf else None
   hf_of = {"float32": hf}
@@ -117,11 +120,11 @@ def main(argv):
                           + 64) if FLAGS.llama_cpp else None
   rates = {}
 
-  def rate(rows, lm_rows, dtype="float32", tiles=False):
-    if (rows, lm_rows, dtype, tiles) not in rates:
-      rates[rows, lm_rows, dtype, tiles] = bm.step_matmul_rate(
-          cfg, rows, lm_rows, FLAGS.repeats, dtype=jax.numpy.dtype(dtype), tiles=tiles)
-    return rates[rows, lm_rows, dtype, tiles]
+  def rate(rows, lm_rows, dtype="float32", native=False):
+    if (rows, lm_rows, dtype, native) not in rates:
+      rates[rows, lm_rows, dtype, native] = bm.step_matmul_rate(
+          cfg, rows, lm_rows, FLAGS.repeats, dtype=jax.numpy.dtype(dtype), native=native)
+    return rates[rows, lm_rows, dtype, native]
 
   rows, skipped = [], []
   for kv_format in FLAGS.kv_formats:
@@ -137,7 +140,7 @@ def main(argv):
         seqs = [(1, ctx)] * B
         attn = costs.attention_flops(seqs)
         floors = {("dense", "float32"): (costs.step_bytes(seqs) / bw, (
-            costs.step_flops(seqs) - attn) / rate(B, B) + attn / peak),
+            costs.step_flops(seqs) - attn) / rate(B, B, native=pan) + attn / peak),
                   # gguf: XLA's f32 rate at these shapes is no floor for the block call
                   ("gguf", "float32"): ((costs.step_bytes(seqs) - costs.d_w + block_bytes)
                                         / bw, costs.step_flops(seqs) / peak)}
@@ -191,8 +194,9 @@ def main(argv):
       del ex
       pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t,
                   "gflop_s": flops / t / 1e9,
-                  "of_step_matmul_rate": flops / t / rate(n, 1), "of_peak": flops / t / peak,
-                  "compute_floor_ms": 1e3 * flops / rate(n, 1),
+                  "of_step_matmul_rate": flops / t / rate(n, 1, native=pan),
+                  "of_peak": flops / t / peak,
+                  "compute_floor_ms": 1e3 * flops / rate(n, 1, native=pan),
                   "hf_ms": None if th is None else 1e3 * th,
                   "over_hf": None if th is None else th / t,
                   "llama_cpp_ms": None if tl is None else 1e3 * tl})
@@ -236,6 +240,7 @@ def main(argv):
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9, "bf16_on_amx": amx,
+           "f32_in_panels": pan,
            "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped,
            "host_time": host}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:
