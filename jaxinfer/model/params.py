@@ -7,7 +7,7 @@ dicts (unrolled; JAX-FACTS.md: slicing stacked weights inside jit copies them).
 from __future__ import annotations
 
 import dataclasses
-import functools
+import weakref
 from typing import Dict, Tuple
 
 import jax
@@ -137,34 +137,31 @@ def as_native(params):
   return dict(out, layers=rest, blocks=blocks)
 
 
-class _ById:
-  """A params tree hashed by identity (lru_cache key): the same loaded weights are packed
-  once however many executors use them (a test's oracle builds one per forward)."""
-
-  def __init__(self, params):
-    self.params = params
-
-  def __hash__(self):
-    return id(self.params)
-
-  def __eq__(self, other):
-    return self.params is other.params
-
-
-@functools.lru_cache(maxsize=2)
-def _cpu_layout(key: _ById, kernels: tuple):
-  del kernels  # part of the cache key: which native kernels as_native could use
-  return as_native(key.params) or as_bit_patterns(key.params)
+# id(the source's wq) -> (a weak reference to it, the kernels available, the layout)
+_LAYOUTS: dict = {}
 
 
 def cpu_layout(params):
   """The layout a single-device CPU executor holds: `as_native` where the CPU runs it, else
-  bf16 weights as bit patterns (`as_bit_patterns`) and f32 ones as they are. The last two
-  params trees' layouts are kept (an executor built again on the same weights shares them)."""
-  if not isinstance(params, dict):
+  bf16 weights as bit patterns (`as_bit_patterns`) and f32 ones as they are. A layout is
+  kept while its source weights live (keyed by their `wq`, which the packed layout does not
+  hold), so every executor built on the same weights shares one packing (a test's oracle
+  builds one per forward) and nothing outlives the model."""
+  layers = params.get("layers") if isinstance(params, dict) else None
+  if not isinstance(layers, dict) or "wq" not in layers:
     return params
   from pallas_kernels.block_matmul import panels, tiles
-  return _cpu_layout(_ById(params), (tiles.available(), panels.available()))
+  kernels = (tiles.available(), panels.available())
+  src = layers["wq"]
+  hit = _LAYOUTS.get(id(src))
+  if hit is not None and hit[0]() is src and hit[1] == kernels:
+    return hit[2]
+  out = as_native(params) or as_bit_patterns(params)
+  if out is params:  # nothing converted (and caching it would keep `src` alive)
+    return out
+  key = id(src)
+  _LAYOUTS[key] = (weakref.ref(src, lambda _: _LAYOUTS.pop(key, None)), kernels, out)
+  return out
 
 
 def from_bit_patterns(p):

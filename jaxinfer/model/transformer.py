@@ -47,7 +47,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
                                       for a in jax.tree_util.tree_leaves(lp))
   if bits or native_weights(params):  # bf16 weights as bit patterns or AMX tiles (CPU):
-    dtype = jnp.float32  # float32 activations, bf16 matmul inputs
+    dtype = jnp.float32  # float32 activations (bf16 matmul inputs); f32 panels: float32
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
   L = cfg.num_layers if num_layers is None else num_layers
