@@ -29,6 +29,7 @@ import jax
 log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+HEADERS = (os.path.join(_HERE, "native_items.h"),)  # included by sources: part of the key
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_amx.cc"),
@@ -76,7 +77,7 @@ def build() -> str:
   flags = _flags()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   parts = [" ".join(flags).encode(), version.encode(), jax.__version__.encode()]
-  for src in SOURCES:
+  for src in SOURCES + HEADERS:
     with open(src, "rb") as f:
       parts.append(f.read())
   key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
@@ -86,7 +87,7 @@ def build() -> str:
   os.makedirs(_cache_dir(), exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
   os.close(fd)
-  cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
+  cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), "-I", _HERE, *SOURCES, "-o", tmp]
   res = subprocess.run(cmd, capture_output=True, text=True)
   if res.returncode:
     os.unlink(tmp)
@@ -123,24 +124,34 @@ def available() -> bool:
     return _state["ok"]
 
 
-def amx_available() -> bool:
-  """Whether the bf16 tile matmul can run: the library is available, the CPU has AMX-TILE
-  and AMX-BF16, Linux granted this process the tile state, and JAXINFER_AMX is not 0 (read
-  at each call: executors built after it is set hold bf16 weights as bit patterns)."""
-  if os.environ.get("JAXINFER_AMX", "1") == "0" or not available():
+def _cpu_feature(env: str, symbol: str) -> bool:
+  """The library is available, `env` is not "0" (read at each call: executors built after
+  it is set keep their XLA-dot layouts) and the library's `symbol()` says the CPU (and
+  OS) run that call; the answer is asked of the library once."""
+  if os.environ.get(env, "1") == "0" or not available():
     return False
   with _lock:
-    if "amx" not in _state:
-      _state["amx"] = bool(_state["lib"].JaxinferAmxAvailable())
-    return _state["amx"]
+    if symbol not in _state:
+      _state[symbol] = bool(getattr(_state["lib"], symbol)())
+    return _state[symbol]
+
+
+def amx_available() -> bool:
+  """Whether the bf16 tile matmul can run: the CPU has AMX-TILE and AMX-BF16, Linux
+  granted this process the tile state, and JAXINFER_AMX is not 0."""
+  return _cpu_feature("JAXINFER_AMX", "JaxinferAmxAvailable")
 
 
 def panels_available() -> bool:
-  """Whether the f32 panel matmul can run: the library is available, the CPU has AVX-512F,
-  and JAXINFER_PANELS is not 0 (read at each call, as JAXINFER_AMX)."""
-  if os.environ.get("JAXINFER_PANELS", "1") == "0" or not available():
-    return False
-  with _lock:
-    if "panels" not in _state:
-      _state["panels"] = bool(_state["lib"].JaxinferPanelsAvailable())
-    return _state["panels"]
+  """Whether the f32 panel matmul can run: the CPU has AVX-512F and JAXINFER_PANELS is
+  not 0."""
+  return _cpu_feature("JAXINFER_PANELS", "JaxinferPanelsAvailable")
+
+
+def stacked_call(target: str, x, w, layer, n: int):
+  """y [M, n] float32 = the custom call `target` of x [M, K] (as float32) and a stacked
+  (or single) packed weight w at `layer` (None: 0): the block_matmul layouts' door."""
+  import jax.numpy as jnp
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+  return call(x.astype(jnp.float32), w, layer)

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "native_items.h"
 
 // AMX intrinsics need GCC 11 / Clang 12 or later; older compilers build the library
 // without this path (the call then reports an error and tiles.py never selects it).
@@ -205,11 +206,7 @@ ffi::Error AmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
   a.xb = xb.data();
   a.items = (blocks + kGroup - 1) / kGroup;
-  int64_t helpers = a.items >= kMinParallelItems ? pool.num_threads() : 0;
-  if (helpers > a.items - 1) helpers = a.items - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
-  Drain(sh.get());
-  while (sh->done.load(std::memory_order_acquire) < a.items) std::this_thread::yield();
+  jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, Drain);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("bf16 tile matmul: built without AMX support (x86-64 Linux)");

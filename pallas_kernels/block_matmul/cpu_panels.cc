@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+#include "native_items.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -130,11 +131,7 @@ ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   a.w = w.typed_data() + l * a.N * a.K;
   a.y = y->typed_data();
   a.items = (blocks + kGroup - 1) / kGroup;
-  int64_t helpers = a.items >= kMinParallelItems ? pool.num_threads() : 0;
-  if (helpers > a.items - 1) helpers = a.items - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
-  Drain(sh.get());
-  while (sh->done.load(std::memory_order_acquire) < a.items) std::this_thread::yield();
+  jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, Drain);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("f32 panel matmul: built for x86-64 only");

@@ -57,7 +57,4 @@ def matmul(x, panels, layer=None):
   if not available():
     raise RuntimeError("the f32 panel matmul needs the native CPU library and AVX-512F; "
                        "see the log")
-  n = panels.shape[-3] * 16
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-  return call(x.astype(jnp.float32), panels, layer)
+  return native.stacked_call(TARGET, x, panels, layer, panels.shape[-3] * 16)

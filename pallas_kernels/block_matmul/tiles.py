@@ -68,7 +68,4 @@ def matmul(x, tiles, layer=None):
   if not available():
     raise RuntimeError("the bf16 tile matmul needs the native CPU library and Intel AMX "
                        "(AMX-TILE, AMX-BF16) with the OS's permission; see the log")
-  n = tiles.shape[-4] * 16
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-  return call(x.astype(jnp.float32), tiles, layer)
+  return native.stacked_call(TARGET, x, tiles, layer, tiles.shape[-4] * 16)

@@ -1,0 +1,31 @@
+// Work items shared by the calling thread and tasks on XLA's intra-op thread pool, for the
+// native CPU calls built by pallas_kernels/native.py (cpu_amx.cc, cpu_panels.cc).
+#ifndef JAXINFER_NATIVE_ITEMS_H_
+#define JAXINFER_NATIVE_ITEMS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxinfer {
+
+// Runs drain(sh) on the caller and, when `parallel`, on up to pool.num_threads() helper
+// tasks (never more than items - 1), then waits until sh->done counts `items`: each drain
+// takes items from sh->next and counts them in sh->done, so the caller waits only for
+// items that were taken and a task that never starts cannot stall the call.
+template <typename Shared, typename Drain>
+void RunItems(xla::ffi::ThreadPool& pool, const std::shared_ptr<Shared>& sh, int64_t items,
+              bool parallel, Drain drain) {
+  int64_t helpers = parallel ? pool.num_threads() : 0;
+  if (helpers > items - 1) helpers = items - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh, drain] { drain(sh.get()); });
+  drain(sh.get());
+  while (sh->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+}  // namespace jaxinfer
+
+#endif  // JAXINFER_NATIVE_ITEMS_H_
