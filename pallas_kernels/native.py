@@ -3,9 +3,10 @@
 Four custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
 `jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc), `jaxinfer_bf16_tile_matmul`
 (block_matmul/cpu_amx.cc, Intel AMX; `amx_available()` says whether this CPU and OS run it)
-and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512; `panels_available()`). The library is compiled on first use
-with the machine's C++ compiler (about 6 s) into the cache (`$JAXINFER_CACHE/native`,
-default ~/.cache/jaxinfer/native), keyed by the sources, the flags, the compiler and jax's
+and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512; `panels_available()`).
+The library is compiled on first use with the machine's C++ compiler (about 10 s) into the
+cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native), keyed by the sources
+and the header they share (native_items.h), the flags, the compiler and jax's
 version, and written atomically so concurrent processes can build it at once. Without a
 compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
 JAXINFER_NATIVE_DECODE=0), `available()` is False and callers keep their XLA-op paths
