@@ -214,8 +214,9 @@ def offline_run(loaded, prompts, policy: str) -> Dict:
 
 def floors(cfg, batch: int) -> Dict:
   """Decode-step floors on this machine at `batch` (f32): the weight bytes a step reads
-  over the measured read bandwidth, and the step's matmul FLOPs over XLA's measured
-  matmul rate at the step's own shapes."""
+  over the measured read bandwidth, and the step's matmul FLOPs over the measured rate of
+  the matmul that runs them (the native panel call on a CPU with AVX-512, else XLA's) at
+  the step's own shapes."""
   from jaxinfer.benchmarking import measure_read_bandwidth, step_matmul_rate
   bw = measure_read_bandwidth()
   rate = step_matmul_rate(cfg, batch)

@@ -61,21 +61,40 @@ def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
           (D, cfg.vocab_size, 1))
 
 
+def native_kernel(cfg: ModelConfig, dtype=jnp.float32):
+  """The native CPU matmul module (block_matmul.panels / .tiles) a single-device CPU
+  executor runs this model's `dtype` weights on (model.params.as_native), or None (XLA's
+  dot: no kernel for the dtype, a shape the layout cannot hold, or not a CPU)."""
+  if jax.default_backend() != "cpu":
+    return None
+  from pallas_kernels.block_matmul import panels, tiles
+  kernel = {jnp.dtype(jnp.float32): panels, jnp.dtype(jnp.bfloat16): tiles}.get(
+      jnp.dtype(dtype))
+  if kernel is None or not kernel.available():
+    return None
+  ok = all(kernel.packable(jax.ShapeDtypeStruct((d_in, d_out), dtype))
+           for d_in, d_out, _ in weight_matmul_shapes(cfg))
+  return kernel if ok else None
+
+
 def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
-                     repeats: int = 5, dtype=jnp.float32, native: bool = False) -> float:
+                     repeats: int = 5, dtype=jnp.float32, native: bool | None = None) -> float:
   """FLOP/s of XLA's matmuls at a step's own shapes: `rows` token rows through each
   layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
   (bf16: float32 accumulation and result, as the model's dense_matmul). native=True: the
   rate of the native CPU matmul a CPU executor runs such weights on instead
   (model.params.as_native: bf16 AMX tiles, f32 AVX-512 panels; x float32, the weight in
-  its packed layout). The compute floor of a step is its FLOPs over the rate of what runs
+  its packed layout); None (the default): native wherever `native_kernel` says the
+  executor runs one. The compute floor of a step is its FLOPs over the rate of what runs
   it."""
   lm_rows = rows if lm_rows is None else lm_rows
   rng = np.random.default_rng(0)
   flops = secs = 0.0
-  if native:
-    from pallas_kernels.block_matmul import panels, tiles
-    kernel = tiles if jnp.dtype(dtype) == jnp.bfloat16 else panels
+  kernel = native_kernel(cfg, dtype)
+  native = kernel is not None if native is None else native
+  if native and kernel is None:
+    raise ValueError(f"no native CPU matmul runs {jnp.dtype(dtype).name} weights of "
+                     f"{cfg.name} here (native_kernel)")
   for d_in, d_out, count in weight_matmul_shapes(cfg):
     m = lm_rows if d_out == cfg.vocab_size else rows
     x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)

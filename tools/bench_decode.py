@@ -99,10 +99,9 @@ def main(argv):
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   # dense rows: a CPU executor runs them on its native matmuls where it can
   # (params.as_native): bf16 on AMX tiles, f32 in AVX-512 panels
-  from pallas_kernels.block_matmul import panels, tiles
-  amx = ("dense", "bfloat16") in variants and tiles.available() and all(
-      i % 32 == 0 and o % 16 == 0 for i, o, _ in bm.weight_matmul_shapes(cfg))
-  pan = panels.available() and all(o % 16 == 0 for _, o, _ in bm.weight_matmul_shapes(cfg))
+  amx = ("dense", "bfloat16") in variants and bm.native_kernel(cfg, jax.numpy.bfloat16) \
+      is not None
+  pan = bm.native_kernel(cfg, jax.numpy.float32) is not None
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
