@@ -65,13 +65,11 @@ def native_kernel(cfg: ModelConfig, dtype=jnp.float32):
   """The native CPU matmul module (block_matmul.panels / .tiles) a single-device CPU
   executor runs this model's `dtype` weights on (model.params.as_native), or None (XLA's
   dot: no kernel for the dtype, a shape the layout cannot hold, or not a CPU)."""
-  if jax.default_backend() != "cpu":
+  from jaxinfer.model.params import native_kernel as layout_kernel
+  found = layout_kernel(dtype) if jax.default_backend() == "cpu" else None
+  if found is None:
     return None
-  from pallas_kernels.block_matmul import panels, tiles
-  kernel = {jnp.dtype(jnp.float32): panels, jnp.dtype(jnp.bfloat16): tiles}.get(
-      jnp.dtype(dtype))
-  if kernel is None or not kernel.available():
-    return None
+  kernel = found[0]
   ok = all(kernel.packable(jax.ShapeDtypeStruct((d_in, d_out), dtype))
            for d_in, d_out, _ in weight_matmul_shapes(cfg))
   return kernel if ok else None

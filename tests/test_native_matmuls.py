@@ -99,3 +99,27 @@ def test_panels_matmul_matches_reference():
   with pytest.raises(Exception, match="layer outside L"):
     np.asarray(panels.matmul(np.ones((1, 5), np.float32), panels.pack(
         jnp.ones((1, 5, 16), jnp.float32)), 1))
+
+
+@needs_avx512
+def test_cpu_layout_is_shared_only_for_the_same_weights_and_freed_with_them():
+  """Executors built on the same params share one packing; a tree that shares `wq` but not
+  its other weights gets its own (it once got the first tree's embedding); the kept layout
+  goes when the weights do."""
+  import gc
+  from jaxinfer.config import SMOLLM2_135M
+  from jaxinfer.model import params as mp
+  cfg = SMOLLM2_135M.replace(num_layers=2, hidden_size=64, intermediate_size=128,
+                             num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+  p = mp.init_params(cfg, jax.random.PRNGKey(1))
+  a = mp.cpu_layout(p)
+  assert "panels" in a["blocks"]["lm_head"] and mp.cpu_layout(p) is a
+  q = dict(p, embed=p["embed"] * 2)
+  b = mp.cpu_layout(q)
+  assert b is not a and b["embed"] is q["embed"]
+  np.testing.assert_array_equal(np.asarray(panels.unpack(b["blocks"]["lm_head"]["panels"])),
+                                np.asarray(q["embed"]).T)
+  n = len(mp._LAYOUTS)
+  del p, q, a, b
+  gc.collect()
+  assert len(mp._LAYOUTS) == n - 1

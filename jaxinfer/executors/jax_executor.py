@@ -78,7 +78,7 @@ class JaxExecutor:
       if self.devices[0] != jax.devices()[0]:  # a data-parallel replica's own device
         self.params = jax.device_put(params, self.devices[0])
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
-      if self.devices[0].platform == "cpu":  # bf16 weights: AMX tiles or bit patterns
+      if self.devices[0].platform == "cpu":  # weights packed for the native matmuls
         self.params = cpu_layout(self.params)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self._model_step, self._forward_step, self._draft_step = steps_for(

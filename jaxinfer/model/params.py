@@ -105,6 +105,16 @@ def as_bit_patterns(params):
 NATIVE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
+def native_kernel(dtype):
+  """(module, layout key) of the native CPU matmul that runs `dtype` weights on this CPU
+  (bf16: pallas_kernels.block_matmul.tiles on AMX, "tiles"; f32: .panels on AVX-512,
+  "panels"), or None: the one place that maps a dtype to its packed layout."""
+  from pallas_kernels.block_matmul import panels, tiles
+  kernel, key = {jnp.dtype(jnp.bfloat16): (tiles, "tiles"),
+                 jnp.dtype(jnp.float32): (panels, "panels")}.get(jnp.dtype(dtype), (None, None))
+  return (kernel, key) if kernel is not None and kernel.available() else None
+
+
 def as_native(params):
   """Stacked layer weights and the LM head packed for the native CPU matmuls, read in
   place by layer index (no layer's slice is copied out of the stack, as XLA:CPU does for
@@ -115,20 +125,19 @@ def as_native(params):
   not fit the layout, the model already carries blocks, or the CPU lacks the instructions
   (the caller then keeps `as_bit_patterns` / the dense weights)."""
   layers = params.get("layers") if isinstance(params, dict) else None
-  if not isinstance(layers, dict) or "blocks" in params:
+  if not isinstance(layers, dict) or "blocks" in params or "wq" not in layers:
     return None
   names = [n for g in NATIVE_GROUPS for n in g]
-  dtype = layers["wq"].dtype if "wq" in layers else None
-  if dtype not in (jnp.bfloat16, jnp.float32) or not all(
-      n in layers and layers[n].dtype == dtype for n in names):
+  dtype = layers["wq"].dtype
+  found = native_kernel(dtype)
+  if found is None or not all(n in layers and layers[n].dtype == dtype for n in names):
     return None
-  from pallas_kernels.block_matmul import panels, tiles
-  kernel, key = (tiles, "tiles") if dtype == jnp.bfloat16 else (panels, "panels")
+  kernel, key = found
   head = params["lm_head"] if "lm_head" in params else params["embed"].T
   fused = {"+".join(g): (jnp.concatenate([layers[n] for n in g], -1) if len(g) > 1
                          else layers[g[0]]) for g in NATIVE_GROUPS}
   if not (head.dtype == dtype and kernel.packable(head)
-          and all(kernel.packable(w) for w in fused.values()) and kernel.available()):
+          and all(kernel.packable(w) for w in fused.values())):
     return None
   blocks = {"layers": {k: {key: kernel.pack(w)} for k, w in fused.items()},
             "lm_head": {key: kernel.pack(head)}}
@@ -137,30 +146,38 @@ def as_native(params):
   return dict(out, layers=rest, blocks=blocks)
 
 
-# id(the source's wq) -> (a weak reference to it, the kernels available, the layout)
+# id(the source's wq) -> (weak references to the source's leaves, the kernels available,
+# the layout)
 _LAYOUTS: dict = {}
 
 
 def cpu_layout(params):
   """The layout a single-device CPU executor holds: `as_native` where the CPU runs it, else
   bf16 weights as bit patterns (`as_bit_patterns`) and f32 ones as they are. A layout is
-  kept while its source weights live (keyed by their `wq`, which the packed layout does not
-  hold), so every executor built on the same weights shares one packing (a test's oracle
-  builds one per forward) and nothing outlives the model."""
+  kept while its source weights live (dropped with their `wq`, which the packed layout
+  does not hold) and reused only for the very same leaves, so every executor built on the
+  same weights shares one packing (a test's oracle builds one per forward) and nothing
+  outlives the model."""
   layers = params.get("layers") if isinstance(params, dict) else None
   if not isinstance(layers, dict) or "wq" not in layers:
     return params
   from pallas_kernels.block_matmul import panels, tiles
   kernels = (tiles.available(), panels.available())
-  src = layers["wq"]
-  hit = _LAYOUTS.get(id(src))
-  if hit is not None and hit[0]() is src and hit[1] == kernels:
+  leaves = jax.tree_util.tree_leaves(params)
+  key = id(layers["wq"])
+  hit = _LAYOUTS.get(key)
+  if hit is not None and hit[1] == kernels and len(hit[0]) == len(leaves) and all(
+      ref() is a for ref, a in zip(hit[0], leaves)):
     return hit[2]
   out = as_native(params) or as_bit_patterns(params)
-  if out is params:  # nothing converted (and caching it would keep `src` alive)
+  if out is params:  # nothing converted (and caching it would keep the source alive)
     return out
-  key = id(src)
-  _LAYOUTS[key] = (weakref.ref(src, lambda _: _LAYOUTS.pop(key, None)), kernels, out)
+  try:
+    refs = [weakref.ref(a, (lambda _: _LAYOUTS.pop(key, None)) if a is layers["wq"] else None)
+            for a in leaves]
+  except TypeError:  # a leaf without weak references: not kept
+    return out
+  _LAYOUTS[key] = (refs, kernels, out)
   return out
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
-from jaxinfer.lora.ops import dense_matmul, half_dot
+from jaxinfer.lora.ops import dense_matmul, half_dot, stacked_matmul
 from jaxinfer.model import layers
 from jaxinfer.model.params import from_bit_patterns
 
@@ -116,7 +116,6 @@ def lm_head(params, x):
   """x [S, D] -> logits [S, V] float32."""
   head = block_weights(params, x.shape[0], "lm_head")
   if head is not None:
-    from jaxinfer.lora.ops import stacked_matmul
     logits = stacked_matmul(x, head)
   elif "lm_head" in params:
     logits = dense_matmul(x, params["lm_head"])
