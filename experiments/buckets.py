@@ -137,7 +137,7 @@ def real(c, trace):
   from jaxinfer.config import SamplingParams
   from jaxinfer.llm import LLM
   from jaxinfer.loading import load_model
-  from jaxinfer.step import forward_step, sample_step
+  from jaxinfer.step import num_compiled
   T, R, L = c.real_max_tokens, c.real_max_seqs, c.real_max_model_len
   # All at once, as LLM.generate submits them: the fitted table sees the same steps.
   reqs = [dict(r, arrival_s=0.0, prompt_tokens=min(r["prompt_tokens"], c.real_max_prompt),
@@ -169,8 +169,8 @@ def real(c, trace):
     rss0, maps0 = _rss_mib(), _maps()
     cold = llm.engine.warmup()  # this process's persistent cache is empty for these shapes
     # one forward per shape; the samplers are shared by every shape with the same rows
-    executables = forward_step._cache_size()  # load_model's default: layers under lax.scan
-    samplers = sample_step._cache_size()
+    executables = num_compiled("forward")  # load_model's default: layers under lax.scan
+    samplers = num_compiled("sample")
     rss1, maps1 = _rss_mib(), _maps()
     jax.clear_caches()  # in-memory executables gone: the next warm-up reads the disk cache
     cached = llm.engine.warmup()

@@ -31,11 +31,11 @@ def test_warm_up_compiles_every_shape_the_engine_then_runs(llm, smollm2):
   """LLM(warmup=True) compiles the default table's every shape at construction: a batch of
   prompts (prefill chunks, mixed and decode steps) then compiles nothing, and a different
   table pads differently but decodes the same greedy tokens."""
-  from jaxinfer.step import forward_step, num_compiled_steps
+  from jaxinfer.step import num_compiled, num_compiled_steps
   table = BucketTable.default(max_tokens=32, max_requests=4, max_pages=8)
   warm = LLM.from_loaded(smollm2, num_pages=64, buckets=table)
   shapes = len(list(table.all_buckets()))
-  assert warm.warmup_s > 0 and forward_step._cache_size() >= shapes
+  assert warm.warmup_s > 0 and num_compiled("forward") >= shapes
   before = num_compiled_steps()
   sp = SamplingParams(max_tokens=8, ignore_eos=True)
   outs = warm.generate(PROMPTS + ["Hi"], sp)

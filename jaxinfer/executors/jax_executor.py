@@ -18,7 +18,7 @@ from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
 from jaxinfer.step import (copy_pages_jit, enable_compilation_cache, forward_inputs,
-                           read_pages_jit, sample_inputs, sample_step, steps_for, write_pages_jit)
+                           read_pages_jit, sample_inputs, steps_for, write_pages_jit)
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class JaxExecutor:
       if self.devices[0].platform == "cpu":  # weights packed for the native matmuls
         self.params = cpu_layout(self.params)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
-    self._model_step, self._forward_step, self._draft_step = steps_for(
-        params, self.devices[0].platform)
+    self._steps = steps_for(params, self.devices[0].platform)
+    self._model_step, self._forward_step, self._draft_step = self._steps[:3]
     self.streamer = None
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
@@ -195,7 +195,7 @@ class JaxExecutor:
                                            backend=self.backend)
     if step.mask_fn is not None and self.overlap_masks:
       arrays = dict(arrays, token_mask=step.mask_fn())  # host work while the forward runs
-    return sample_step(logits, sample_inputs(arrays), backend=self.backend), t0
+    return self._steps.sample(logits, sample_inputs(arrays), backend=self.backend), t0
 
   def collect(self, handle) -> StepResult:
     out, t0 = handle
