@@ -58,3 +58,60 @@ def test_a_rows_draw_does_not_depend_on_its_batch_mates():
   ties = jnp.asarray(rng.integers(0, 3, (n, V)), jnp.float32)
   np.testing.assert_array_equal(sampling.argmax(ties), jnp.argmax(ties, axis=-1))
   np.testing.assert_array_equal(sampling.argmax(logits), jnp.argmax(logits, axis=-1))
+
+
+def _kept_oracle(logits, t, k, p, min_p):
+  """numpy: the tokens a row keeps under top-k, then top-p over the top-k distribution,
+  then min-p relative to the most likely token (full sort, float64)."""
+  z = logits.astype(np.float64) / (t if t > 0 else 1.0)
+  order = np.argsort(-z, kind="stable")
+  srt = z[order]
+  V = len(z)
+  k_eff = k if 0 < k < V else V
+  keep = np.arange(V) < k_eff
+  pk = np.where(keep, np.exp(srt - srt.max()), 0.0)
+  pk /= pk.sum()
+  keep &= (np.cumsum(pk) - pk < p) | (np.arange(V) == 0)
+  if min_p > 0:
+    pa = np.exp(srt - srt.max())
+    keep &= (pa >= min_p * pa[0]) | (np.arange(V) == 0)
+  return set(order[keep].tolist())
+
+
+def test_candidate_filter_equals_the_full_sort_and_falls_back_when_it_must(monkeypatch):
+  """Top-k / top-p / min-p filter among each row's CANDIDATES most likely tokens
+  (lax.top_k) when every filtering row's kept tokens lie among them, and sort the whole
+  row otherwise (top-p 0.999 on flat logits, a top-k above the candidates): the kept sets
+  equal a float64 numpy oracle's either way, and every row draws the token the full sort
+  draws (CANDIDATES = V), whatever its batch mates."""
+  rng = np.random.default_rng(7)
+  V = 2048
+  sharp = rng.standard_normal((6, V)) * 4.0  # most mass in a few tokens
+  flat = rng.standard_normal((4, V)) * 0.1   # mass spread over the whole vocabulary
+  logits = jnp.asarray(np.concatenate([sharp, flat]), jnp.float32)
+  # (temperature, top_k, top_p, min_p) per row
+  rows = [(0.8, 40, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.3, 0, 1.0, 0.05), (0.7, 100, 0.8, 0.0),
+          (1.0, 0, 1.0, 0.0), (0.0, 0, 0.9, 0.0),  # unfiltered, greedy
+          (1.0, 0, 0.999, 0.0), (1.0, 1000, 1.0, 0.0), (1.0, 20, 0.5, 0.0), (2.0, 30, 0.3, 0.0)]
+  t, k, p, mp = (jnp.asarray([r[i] for r in rows], dt) for i, dt in
+                 enumerate((jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
+  S = len(rows)
+  probs = np.asarray(sampling.filtered_probs(logits, t, k, p, mp))
+  for i, (ti, ki, pi, mi) in enumerate(rows):
+    want = _kept_oracle(np.asarray(logits[i]), ti, ki, pi, mi)
+    assert set(np.flatnonzero(probs[i]).tolist()) == want, i
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+  seeds = jnp.arange(S, dtype=jnp.uint32)
+
+  def draw(lg, ti, ki, pi, mi, sd):
+    n = lg.shape[0]
+    return np.asarray(sampling.sample_rows(lg, ti, ki, pi, sd, jnp.zeros(n, jnp.int32),
+                                           jnp.full((n,), -1, jnp.int32), min_p=mi)[0])
+  fast = draw(logits, t, k, p, mp, seeds)  # rows 6 and 7 make the whole batch sort
+  covered = [0, 1, 2, 3, 4, 5, 8, 9]  # without them every row stays on the candidates
+  sub = [jnp.asarray(a)[np.array(covered)] for a in (logits, t, k, p, mp, seeds)]
+  np.testing.assert_array_equal(draw(*sub), fast[covered])
+  monkeypatch.setattr(sampling, "CANDIDATES", V)
+  np.testing.assert_array_equal(draw(logits, t, k, p, mp, seeds), fast)
+  for i in range(S):
+    assert int(fast[i]) in _kept_oracle(np.asarray(logits[i]), *rows[i]), i
