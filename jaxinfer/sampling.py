@@ -26,88 +26,104 @@ def argmax(x):
   return (blk * B + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
 
 
-# The most likely tokens of each row that top-k / top-p / min-p filter among before any full
-# sort: lax.top_k of 256 over [64, 49152] logits takes 18 ms on XLA:CPU, where argsort took
-# 1.5 s (a 20-30 ms sort at batch 1, as long as the model step).
+def _order_key(x):
+  """float32 -> int32 of the same order (-inf lowest; NaN excluded)."""
+  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+def _least_key(keys, weights, target, lo, hi):
+  """Per row, the least int32 t in (lo, hi] with sum(weights where keys > t) < target, by
+  bisection (32 halvings), given that sum >= target at lo and < target at hi. The sums
+  are of integers, so they are exact in any order: over a row's candidates or over the
+  whole row they give the same t whenever the tokens above lo are all candidates."""
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+    below = jnp.sum(jnp.where(keys > mid[:, None], weights, 0), axis=-1) < target
+    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
+# Candidates: each row's most likely tokens (lax.top_k: 18 ms over [64, 49152] logits on
+# XLA:CPU, where an argsort took 1.5 s). Top-k and top-p find their thresholds among them
+# when those hold the row's cut, else by bisection over the whole row (about 100 ms each
+# at batch 64): the same thresholds either way.
 CANDIDATES = 256
+_UNIT = float(1 << 30)  # top-p sums probabilities in units of 2^-30: exact integer sums
+_LOWEST = -(1 << 31)
 
 
-def _keep(srt, k_eff, top_p, min_p, lse_k, lse_all):
-  """[S, W] bool over each row's W sorted (descending) scaled logits: the tokens top-k,
-  top-p and min-p keep, a prefix of every row. lse_k: logsumexp over the row's top k_eff
-  (top-p's normalisation); lse_all: over the whole row (min-p's). The first CANDIDATES
-  columns are summed on their own, so the candidates' decisions are the same bits whether
-  W is CANDIDATES or the vocabulary."""
-  W = srt.shape[-1]
-  rank = jnp.arange(W)[None, :]
-  keep = rank < k_eff[:, None]
-  probs = jnp.where(keep, jnp.exp(srt - lse_k[:, None]), 0.0)
-  C = min(W, CANDIDATES)
-  cs = jnp.cumsum(probs[:, :C], axis=-1)
-  if W > C:
-    cs = jnp.concatenate([cs, cs[:, -1:] + jnp.cumsum(probs[:, C:], axis=-1)], axis=-1)
-  # mass ranked above < top_p; top_p >= 1 filters nothing (float32 sums reach 1.0
-  # before the tail's last tokens)
-  keep &= (cs - probs < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0)
-  if min_p is not None:  # relative to the most likely token, after temperature (vLLM)
-    p_all = jnp.exp(srt - lse_all[:, None])
-    keep &= (p_all >= min_p[:, None] * p_all[:, :1]) | (rank == 0)
-  return keep
-
-
-def with_filter(logits, temperature, top_k, top_p, min_p, rows, then):
-  """then(masked, order): `masked` [S, W] the temperature-scaled logits of each row's
-  tokens in descending order, -inf outside top-k / top-p / min-p, `order` [S, W] their
-  token ids. Exact for the rows in `rows` [S] bool: W = CANDIDATES (lax.top_k) when
-  every such row's kept tokens lie among its candidates, else W = V (a full argsort)."""
-  V = logits.shape[-1]
+def filter_mask(logits, temperature, top_k, top_p, min_p=None):
+  """(scaled logits, keep [S, V] bool): the temperature-scaled logits and the tokens
+  that top-k, then top-p over the top-k distribution, then min-p (relative to the most
+  likely token, vLLM) keep, without sorting the vocabulary. Each cut is a threshold:
+  top-k keeps a token when fewer than k tokens are above it, top-p when the probability
+  mass above it (each token's probability floored to 2^-30) is below top_p; tied tokens
+  are kept or dropped together. top_k <= 0 or >= V and top_p >= 1 filter nothing; the
+  most likely token is always kept."""
+  S, V = logits.shape
   t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
   scaled = logits / t
-  k_eff = jnp.where((top_k > 0) & (top_k < V), top_k, V)
-  lse_all = jax.nn.logsumexp(scaled, axis=-1)
+  key = _order_key(scaled)
   C = min(CANDIDATES, V)
-  cand, idx = jax.lax.top_k(scaled, C)
-  rank = jnp.arange(C)[None, :]
-  lse_cand = jax.nn.logsumexp(jnp.where(rank < k_eff[:, None], cand, -jnp.inf), axis=-1)
+  cand, _ = jax.lax.top_k(scaled, C)
+  ckey = _order_key(cand)
+  k_eff = jnp.where((top_k > 0) & (top_k < V), top_k, V)
   small_k = k_eff <= C
+  lse_all = jax.nn.logsumexp(scaled, axis=-1)
+  rank = jnp.arange(C)[None, :]
+  # top-k's threshold: the k-th largest key (a candidate when k <= C)
+  t_k_cand = jnp.take_along_axis(ckey, jnp.minimum(k_eff, C)[:, None] - 1, axis=-1)[:, 0]
+  lse_cand = jax.nn.logsumexp(jnp.where(rank < k_eff[:, None], cand, -jnp.inf), axis=-1)
   lse_fast = jnp.where(small_k, lse_cand, lse_all)
+  use_p = top_p < 1.0
+  target = jnp.where(use_p, jnp.floor(top_p * _UNIT), 2 * _UNIT - 1).astype(jnp.int32)
 
-  def fast(_):
-    keep = _keep(cand, k_eff, top_p, min_p, lse_fast, lse_all)
-    return then(jnp.where(keep, cand, -jnp.inf), idx)
+  def units(vals, lse):  # probabilities in units of 2^-30 (monotone in the logits)
+    return jnp.floor(jnp.exp(vals - lse[:, None]) * _UNIT).astype(jnp.int32)
 
+  q_cand = jnp.where(ckey >= jnp.where(small_k, t_k_cand, _LOWEST)[:, None],
+                     units(cand, lse_fast), 0)
+
+  def fast(_):  # every row's cuts among its candidates
+    lo = jnp.min(q_cand, axis=-1)
+    t_p = _least_key(q_cand, q_cand, target, lo, jnp.max(q_cand, axis=-1))
+    return jnp.where(small_k, t_k_cand, _LOWEST), lse_fast, t_p
+
+  def full(_):  # some row's cut lies beyond its candidates
+    lo, hi = jnp.min(key, axis=-1) - 1, jnp.max(key, axis=-1)
+    t_k_full = _least_key(key, jnp.ones_like(key), k_eff, lo, hi)
+    t_k = jnp.where(small_k, t_k_cand, jnp.where(k_eff < V, t_k_full, _LOWEST))
+    in_k = key >= t_k[:, None]
+    lse_k = jax.nn.logsumexp(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
+    lse = jnp.where(small_k | (k_eff == V), lse_fast, lse_k)
+    q = jnp.where(in_k, units(scaled, lse), 0)
+    t_p = _least_key(q, q, target, jnp.full((S,), -1, jnp.int32), jnp.max(q, axis=-1))
+    return t_k, lse, t_p
+
+  # A row's cuts lie among its candidates when top-k's does (k <= C) or top-k is off,
+  # and top-p is off or the mass above the last candidate already reaches top_p (every
+  # token above top-p's threshold is then a candidate).
+  above_last = jnp.sum(jnp.where(q_cand > q_cand[:, -1:], q_cand, 0), axis=-1)
+  covered = (small_k | (k_eff == V)) & (~use_p | (above_last >= target))
   if C == V:
-    return fast(None)
-
-  def full(_):
-    order = jnp.argsort(-scaled, axis=-1)
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    top = jnp.arange(V)[None, :] < k_eff[:, None]
-    lse_sorted = jax.nn.logsumexp(jnp.where(top, srt, -jnp.inf), axis=-1)
-    lse_k = jnp.where(small_k, lse_cand, jnp.where(k_eff == V, lse_all, lse_sorted))
-    keep = _keep(srt, k_eff, top_p, min_p, lse_k, lse_all)
-    return then(jnp.where(keep, srt, -jnp.inf), order)
-
-  # A row's kept prefix ends inside its candidates when top-k does (k <= C), when the
-  # candidates' mass reaches top_p (rank C is then dropped), or when the last candidate is
-  # already below min_p; the candidates alone normalise top-p only for k <= C or k = V.
-  probs = jnp.where(rank < k_eff[:, None], jnp.exp(cand - lse_fast[:, None]), 0.0)
-  ends = small_k | ((top_p < 1.0) & (jnp.cumsum(probs, axis=-1)[:, -1] >= top_p))
+    t_k, lse, t_p = fast(None)
+  else:
+    t_k, lse, t_p = jax.lax.cond(jnp.all(covered), fast, full, None)
+  keep = (key >= t_k[:, None]) & ((units(scaled, lse) >= t_p[:, None]) | ~use_p[:, None])
+  top = jnp.max(scaled, axis=-1, keepdims=True)
   if min_p is not None:
-    ends |= jnp.exp(cand[:, -1] - lse_all) < min_p * jnp.exp(cand[:, 0] - lse_all)
-  covered = ends & (small_k | (k_eff == V))
-  return jax.lax.cond(jnp.all(covered | ~rows), fast, full, None)
+    keep &= jnp.exp(scaled - top) >= min_p[:, None]  # relative to the most likely token
+  return scaled, keep | (scaled == top)
 
 
 def filtered_probs(logits, temperature, top_k, top_p, min_p=None):
   """The distribution actually sampled from, [S, V] in vocabulary order (speculative
   verification applies the same filter to target and draft, 8.5.1)."""
-  S, V = logits.shape
-
-  def dense(masked, order):
-    rows = jnp.arange(S)[:, None]
-    return jnp.zeros((S, V), jnp.float32).at[rows, order].set(jax.nn.softmax(masked, -1))
-  return with_filter(logits, temperature, top_k, top_p, min_p, jnp.ones((S,), bool), dense)
+  scaled, keep = filter_mask(logits, temperature, top_k, top_p, min_p)
+  return jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
 def row_keys(seed, counter):
@@ -207,30 +223,23 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
     g = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
 
-    def unfiltered():
-      scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-      at_draft = has[:, None] & (jnp.arange(V)[None, :] == d[:, None])
-      lse = jax.nn.logsumexp(scaled, axis=-1)
-      p_draft = jnp.exp(jnp.take_along_axis(scaled, d[:, None], axis=-1)[:, 0] - lse)
-      return argmax(jnp.where(at_draft, -jnp.inf, scaled) + g), p_draft
-
-    def pick(masked, order):  # among the kept tokens only
-      at_draft = has[:, None] & (order == d[:, None])
-      p_draft = jnp.sum(jnp.where(at_draft, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
-      best = argmax(jnp.where(at_draft, -jnp.inf, masked) + jnp.take_along_axis(g, order, -1))
-      return jnp.take_along_axis(order, best[:, None], axis=-1)[:, 0].astype(jnp.int32), p_draft
-
     needs = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
     if min_p is not None:
       needs |= min_p > 0
-    needs &= temperature > 0
-    plain = unfiltered()  # rows without a filter sample from the whole vocabulary
-    kept = jax.lax.cond(
-        jnp.any(needs),
-        lambda _: with_filter(logits, temperature, top_k, top_p, min_p, needs, pick),
-        lambda _: plain, None)
-    ids = jnp.where(needs, kept[0], plain[0])
-    p_draft = jnp.where(needs, kept[1], plain[1])
+
+    def choose(filtered):
+      # a row without top-k / top-p / min-p keeps every token, so the filter only masks:
+      # a row draws the same token whichever branch its batch mates select
+      scaled, keep = (filter_mask(logits, temperature, top_k, top_p, min_p) if filtered else
+                      (logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], None))
+      masked = scaled if keep is None else jnp.where(keep, scaled, -jnp.inf)
+      at_draft = has[:, None] & (jnp.arange(V)[None, :] == d[:, None])
+      lse = jax.nn.logsumexp(masked, axis=-1)
+      p_draft = jnp.exp(jnp.take_along_axis(masked, d[:, None], axis=-1)[:, 0] - lse)
+      return argmax(jnp.where(at_draft, -jnp.inf, masked) + g), p_draft
+
+    ids, p_draft = jax.lax.cond(jnp.any(needs & (temperature > 0)),
+                                lambda _: choose(True), lambda _: choose(False), None)
     accepted = has & (u < p_draft)  # with probability min(1, p(x) / q(x)) = p(x)
     sampled = temperature > 0
     return (jnp.where(sampled, jnp.where(accepted, d, ids), greedy_ids),

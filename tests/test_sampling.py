@@ -78,12 +78,11 @@ def _kept_oracle(logits, t, k, p, min_p):
   return set(order[keep].tolist())
 
 
-def test_candidate_filter_equals_the_full_sort_and_falls_back_when_it_must(monkeypatch):
-  """Top-k / top-p / min-p filter among each row's CANDIDATES most likely tokens
-  (lax.top_k) when every filtering row's kept tokens lie among them, and sort the whole
-  row otherwise (top-p 0.999 on flat logits, a top-k above the candidates): the kept sets
-  equal a float64 numpy oracle's either way, and every row draws the token the full sort
-  draws (CANDIDATES = V), whatever its batch mates."""
+def test_filters_keep_the_sorted_oracles_tokens_without_a_sort():
+  """Top-k / top-p / min-p are thresholds found by bisection (no vocabulary sort): the
+  kept sets equal a float64 numpy oracle's that sorts, on sharp and flat rows (a
+  nucleus of a few tokens or of most of the vocabulary); every row draws a kept token,
+  the same one alone as beside the others, and an unfiltered row keeps every token."""
   rng = np.random.default_rng(7)
   V = 2048
   sharp = rng.standard_normal((6, V)) * 4.0  # most mass in a few tokens
@@ -92,26 +91,26 @@ def test_candidate_filter_equals_the_full_sort_and_falls_back_when_it_must(monke
   # (temperature, top_k, top_p, min_p) per row
   rows = [(0.8, 40, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.3, 0, 1.0, 0.05), (0.7, 100, 0.8, 0.0),
           (1.0, 0, 1.0, 0.0), (0.0, 0, 0.9, 0.0),  # unfiltered, greedy
-          (1.0, 0, 0.999, 0.0), (1.0, 1000, 1.0, 0.0), (1.0, 20, 0.5, 0.0), (2.0, 30, 0.3, 0.0)]
+          (1.0, 0, 0.999, 0.0), (1.0, 1000, 1.0, 0.0), (1.0, 20, 0.5, 0.0), (2.0, 0, 0.3, 0.0)]
   t, k, p, mp = (jnp.asarray([r[i] for r in rows], dt) for i, dt in
                  enumerate((jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
   S = len(rows)
   probs = np.asarray(sampling.filtered_probs(logits, t, k, p, mp))
+  sizes = []
   for i, (ti, ki, pi, mi) in enumerate(rows):
     want = _kept_oracle(np.asarray(logits[i]), ti, ki, pi, mi)
     assert set(np.flatnonzero(probs[i]).tolist()) == want, i
+    sizes.append(len(want))
+  assert sizes[4] == V and sizes[6] > 1500 and sizes[1] < 100, sizes  # both kinds of rows
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
-  seeds = jnp.arange(S, dtype=jnp.uint32)
 
-  def draw(lg, ti, ki, pi, mi, sd):
-    n = lg.shape[0]
-    return np.asarray(sampling.sample_rows(lg, ti, ki, pi, sd, jnp.zeros(n, jnp.int32),
-                                           jnp.full((n,), -1, jnp.int32), min_p=mi)[0])
-  fast = draw(logits, t, k, p, mp, seeds)  # rows 6 and 7 make the whole batch sort
-  covered = [0, 1, 2, 3, 4, 5, 8, 9]  # without them every row stays on the candidates
-  sub = [jnp.asarray(a)[np.array(covered)] for a in (logits, t, k, p, mp, seeds)]
-  np.testing.assert_array_equal(draw(*sub), fast[covered])
-  monkeypatch.setattr(sampling, "CANDIDATES", V)
-  np.testing.assert_array_equal(draw(logits, t, k, p, mp, seeds), fast)
+  def draw(idx):
+    sub = [jnp.asarray(a)[np.array(idx)] for a in (logits, t, k, p, mp)]
+    n = len(idx)
+    return np.asarray(sampling.sample_rows(
+        sub[0], sub[1], sub[2], sub[3], jnp.asarray(idx, jnp.uint32), jnp.zeros(n, jnp.int32),
+        jnp.full((n,), -1, jnp.int32), min_p=sub[4])[0])
+  together = draw(list(range(S)))
   for i in range(S):
-    assert int(fast[i]) in _kept_oracle(np.asarray(logits[i]), *rows[i]), i
+    assert int(together[i]) in _kept_oracle(np.asarray(logits[i]), *rows[i]), i
+    assert draw([i])[0] == together[i], i
