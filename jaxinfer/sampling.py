@@ -218,7 +218,7 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
     # One Gumbel draw per row, indexed by token id, serves sampling and verification
     # alike: with q a point mass on x, normalize([p - q]+) is p without x, renormalised,
     # which the Gumbel-max over the support less x samples exactly. A row draws the same
-    # token whichever branch runs: the sort (top-k / top-p / min-p) only masks tokens.
+    # token whichever branch runs: the filter (top-k / top-p / min-p) only masks tokens.
     keys = row_keys(seed, counter)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)

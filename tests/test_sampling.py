@@ -95,7 +95,7 @@ def test_filters_keep_the_sorted_oracles_tokens_without_a_sort():
   t, k, p, mp = (jnp.asarray([r[i] for r in rows], dt) for i, dt in
                  enumerate((jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
   S = len(rows)
-  probs = np.asarray(sampling.filtered_probs(logits, t, k, p, mp))
+  probs = np.asarray(jax.jit(sampling.filtered_probs)(logits, t, k, p, mp))
   sizes = []
   for i, (ti, ki, pi, mi) in enumerate(rows):
     want = _kept_oracle(np.asarray(logits[i]), ti, ki, pi, mi)
@@ -104,10 +104,12 @@ def test_filters_keep_the_sorted_oracles_tokens_without_a_sort():
   assert sizes[4] == V and sizes[6] > 1500 and sizes[1] < 100, sizes  # both kinds of rows
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
+  rows_jit = jax.jit(sampling.sample_rows)  # one compile per batch size, not per op
+
   def draw(idx):
     sub = [jnp.asarray(a)[np.array(idx)] for a in (logits, t, k, p, mp)]
     n = len(idx)
-    return np.asarray(sampling.sample_rows(
+    return np.asarray(rows_jit(
         sub[0], sub[1], sub[2], sub[3], jnp.asarray(idx, jnp.uint32), jnp.zeros(n, jnp.int32),
         jnp.full((n,), -1, jnp.int32), min_p=sub[4])[0])
   together = draw(list(range(S)))
