@@ -55,14 +55,15 @@ _UNIT = float(1 << 30)  # top-p sums probabilities in units of 2^-30: exact inte
 _LOWEST = -(1 << 31)
 
 
-def filter_mask(logits, temperature, top_k, top_p, min_p=None):
+def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
   """(scaled logits, keep [S, V] bool): the temperature-scaled logits and the tokens
   that top-k, then top-p over the top-k distribution, then min-p (relative to the most
   likely token, vLLM) keep, without sorting the vocabulary. Each cut is a threshold:
   top-k keeps a token when fewer than k tokens are above it, top-p when the probability
   mass above it (each token's probability floored to 2^-30) is below top_p; tied tokens
   are kept or dropped together. top_k <= 0 or >= V and top_p >= 1 filter nothing; the
-  most likely token is always kept."""
+  most likely token is always kept. rows [S] bool (default: all): the rows whose masks
+  are used (a greedy row's is not); only they decide between candidates and bisection."""
   S, V = logits.shape
   t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
   scaled = logits / t
@@ -108,6 +109,8 @@ def filter_mask(logits, temperature, top_k, top_p, min_p=None):
   # token above top-p's threshold is then a candidate).
   above_last = jnp.sum(jnp.where(q_cand > q_cand[:, -1:], q_cand, 0), axis=-1)
   covered = (small_k | (k_eff == V)) & (~use_p | (above_last >= target))
+  if rows is not None:
+    covered |= ~rows
   if C == V:
     t_k, lse, t_p = fast(None)
   else:
@@ -230,7 +233,8 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
     def choose(filtered):
       # a row without top-k / top-p / min-p keeps every token, so the filter only masks:
       # a row draws the same token whichever branch its batch mates select
-      scaled, keep = (filter_mask(logits, temperature, top_k, top_p, min_p) if filtered else
+      scaled, keep = (filter_mask(logits, temperature, top_k, top_p, min_p,
+                                  rows=temperature > 0) if filtered else
                       (logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], None))
       masked = scaled if keep is None else jnp.where(keep, scaled, -jnp.inf)
       at_draft = has[:, None] & (jnp.arange(V)[None, :] == d[:, None])
