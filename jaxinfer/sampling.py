@@ -34,9 +34,8 @@ def _order_key(x):
 
 def _least_key(keys, weights, target, lo, hi):
   """Per row, the least int32 t in (lo, hi] with sum(weights where keys > t) < target, by
-  bisection (32 halvings), given that sum >= target at lo and < target at hi. The sums
-  are of integers, so they are exact in any order: over a row's candidates or over the
-  whole row they give the same t whenever the tokens above lo are all candidates."""
+  bisection (32 halvings), given that sum >= target at lo and < target at hi (when the
+  whole sum is below target: lo + 1). The sums are of integers, so exact in any order."""
   def halve(_, bounds):
     lo, hi = bounds
     mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
@@ -88,9 +87,12 @@ def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
   q_cand = jnp.where(ckey >= jnp.where(small_k, t_k_cand, _LOWEST)[:, None],
                      units(cand, lse_fast), 0)
 
+  below_all = jnp.full((S,), -1, jnp.int32)  # units > -1: every token, the whole mass
+
   def fast(_):  # every row's cuts among its candidates
-    lo = jnp.min(q_cand, axis=-1)
-    t_p = _least_key(q_cand, q_cand, target, lo, jnp.max(q_cand, axis=-1))
+    # the same halvings as over the whole row: at or below the last candidate's units
+    # both sums reach top_p (`covered`), above it they are the same integers
+    t_p = _least_key(q_cand, q_cand, target, below_all, jnp.max(q_cand, axis=-1))
     return jnp.where(small_k, t_k_cand, _LOWEST), lse_fast, t_p
 
   def full(_):  # some row's cut lies beyond its candidates
@@ -101,7 +103,7 @@ def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
     lse_k = jax.nn.logsumexp(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
     lse = jnp.where(small_k | (k_eff == V), lse_fast, lse_k)
     q = jnp.where(in_k, units(scaled, lse), 0)
-    t_p = _least_key(q, q, target, jnp.full((S,), -1, jnp.int32), jnp.max(q, axis=-1))
+    t_p = _least_key(q, q, target, below_all, jnp.max(q, axis=-1))
     return t_k, lse, t_p
 
   # A row's cuts lie among its candidates when top-k's does (k <= C) or top-k is off,

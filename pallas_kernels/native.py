@@ -7,8 +7,8 @@ and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512; `panels_av
 The library is compiled on first use with the machine's C++ compiler into the cache
 (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native), keyed by the sources and the
 header they share (native_items.h), the flags, the compiler and jax's version: one object
-per source, compiled in parallel (33 s of compiler time, 19 s of it cpu_decode.cc; about
-20 s on two cores), then linked and renamed into place atomically. A file lock makes
+per source, compiled in parallel (33 s of compiler time, 18-19 s of it cpu_decode.cc; 26 s
+on two cores), then linked and renamed into place atomically. A file lock makes
 concurrent processes (test workers, a server and its client) wait for one build instead
 of each running its own. Without a
 compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
