@@ -227,9 +227,13 @@ def steps_for(params, platform: str) -> Steps:
   if platform != "cpu":
     return DEFAULT_STEPS
   unrolled = isinstance(layers, (list, tuple))
-  # unrolled: the loop emitters made XLA copy the pool again (three copies a step)
-  options = dict(UNROLLED_CPU_OPTIONS) if unrolled else (
-      dict(CPU_OPTIONS) if _cpu_options_accepted() else {})
+  accepted = _cpu_options_accepted()
+  if unrolled:  # the loop emitters made XLA copy the pool again (three copies a step):
+    # the fusion emitters, also where XLA_FLAGS asks for the loop emitters
+    options = dict(UNROLLED_CPU_OPTIONS, **({"xla_cpu_use_fusion_emitters": True}
+                                            if accepted else {}))
+  else:
+    options = dict(CPU_OPTIONS) if accepted else {}
   if not options:
     return DEFAULT_STEPS
   key = "cpu_unrolled" if unrolled else "cpu"

@@ -1,6 +1,8 @@
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -16,6 +18,30 @@ _OWN_CACHE = None
 if "JAXINFER_CACHE" not in os.environ:
   _OWN_CACHE = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
   os.environ["JAXINFER_CACHE"] = _OWN_CACHE
+
+
+# Every executable the tests compile uses XLA:CPU's loop emitters, as the engine's CPU
+# steps do (jaxinfer.step.CPU_OPTIONS, where they are measured: 25-35% less compile time):
+# the oracles, the attention and kernel units, the servers and binaries the tests start
+# (they inherit the variable). Probed in a subprocess first: XLA aborts a process whose
+# XLA_FLAGS names a flag its jaxlib lacks.
+def _loop_emitters():
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_use_fusion_emitters" in flags or os.environ.get("JAXINFER_FUSION_EMITTERS") == "1":
+    return
+  probe = ("import jax; jax.jit(lambda x: x + 1, compiler_options="
+           "{'xla_cpu_use_fusion_emitters': False}).lower(1.0).compile()")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  try:
+    ok = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                        timeout=300).returncode == 0
+  except subprocess.TimeoutExpired:
+    ok = False
+  if ok:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_use_fusion_emitters=false").strip()
+
+
+_loop_emitters()
 
 
 # The files that take longest (seconds of test time in a two-worker run, 2026-12-01), run

@@ -22,7 +22,8 @@ WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
 
 def _env(devices: int) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={devices}").strip(),
              JAX_PLATFORMS="cpu")
   return env
 
