@@ -187,25 +187,25 @@ def _make_steps(options: dict | None) -> Steps:
 
 DEFAULT_STEPS = Steps(model_step, forward_step, draft_step, sample_step)
 _variants: dict = {}  # "cpu" / "cpu_unrolled" -> Steps (jit compiles lazily, when first run)
+_probe: dict = {}
 
 
-def _cpu_options_accepted() -> bool:
-  """Whether this jaxlib knows CPU_OPTIONS (an unknown option fails each compile)."""
-  if "ok" not in _variants:
-    _variants["ok"] = False
-    if os.environ.get("JAXINFER_FUSION_EMITTERS") != "1":
-      try:
-        cpu = jax.devices("cpu")[0]
-        x = jax.device_put(jnp.zeros(2), cpu)
-        jax.jit(lambda a: a + 1, compiler_options=CPU_OPTIONS).lower(x).compile()
-        _variants["ok"] = True
-      except Exception as e:  # noqa: BLE001 -- any refusal: XLA's default emitters
-        logging.getLogger(__name__).info("XLA:CPU default emitters (%s)", e)
-  return _variants["ok"]
+def _emitter_option_known() -> bool:
+  """Whether this jaxlib knows xla_cpu_use_fusion_emitters (an unknown compile option
+  fails every compile that names it): one trivial compile, once per process."""
+  if "known" not in _probe:
+    try:
+      x = jax.device_put(jnp.zeros(2), jax.devices("cpu")[0])
+      jax.jit(lambda a: a + 1, compiler_options=CPU_OPTIONS).lower(x).compile()
+      _probe["known"] = True
+    except Exception as e:  # noqa: BLE001 -- any refusal: XLA's default emitters
+      logging.getLogger(__name__).info("XLA:CPU default emitters (%s)", e)
+      _probe["known"] = False
+  return _probe["known"]
 
 
 def _all_steps():
-  return (DEFAULT_STEPS,) + tuple(v for k, v in _variants.items() if k != "ok")
+  return (DEFAULT_STEPS,) + tuple(_variants.values())
 
 
 def num_compiled_steps() -> int:
@@ -227,13 +227,15 @@ def steps_for(params, platform: str) -> Steps:
   if platform != "cpu":
     return DEFAULT_STEPS
   unrolled = isinstance(layers, (list, tuple))
-  accepted = _cpu_options_accepted()
+  known = _emitter_option_known()
   if unrolled:  # the loop emitters made XLA copy the pool again (three copies a step):
     # the fusion emitters, also where XLA_FLAGS asks for the loop emitters
     options = dict(UNROLLED_CPU_OPTIONS, **({"xla_cpu_use_fusion_emitters": True}
-                                            if accepted else {}))
+                                            if known else {}))
+  elif os.environ.get("JAXINFER_FUSION_EMITTERS") != "1" and known:
+    options = dict(CPU_OPTIONS)
   else:
-    options = dict(CPU_OPTIONS) if accepted else {}
+    options = {}
   if not options:
     return DEFAULT_STEPS
   key = "cpu_unrolled" if unrolled else "cpu"
