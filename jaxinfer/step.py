@@ -60,9 +60,6 @@ def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
   return packed, pool
 
 
-model_step = jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
-                     donate_argnums=(1,))
-
 # A serving step runs in two dispatches: the forward (logits stay on the device), then
 # sampling / verification of those logits. The sampler's executable depends only on the
 # logits rows and the sampling features in use, not on the pool, the page size, the KV
@@ -79,15 +76,8 @@ def _forward(params, pool, inputs, *, cfg, attn_shape, backend):
   return transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape, backend=backend)
 
 
-forward_step = jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"),
-                       donate_argnums=(1,))
-
-
 def _sample(logits, inputs, *, backend=None):
   return _on_every_device(sample_packed(logits, inputs), backend)
-
-
-sample_step = jax.jit(_sample, static_argnames=("backend",))
 
 
 def sample_inputs(arrays) -> dict:
@@ -149,9 +139,6 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
   return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
 
 
-draft_step = jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
-                     donate_argnums=(1,))
-
 # XLA:CPU's loop emitters instead of its MLIR fusion emitters for every step function on
 # CPU: SmolLM2's steps compile 25-35% faster (a decode forward 1.9 -> 1.4 s, the sampler
 # 1.3 -> 0.9 s; test_engine + test_llm 208 -> 153 s) and run as fast within this machine's
@@ -185,12 +172,13 @@ def _make_steps(options: dict | None) -> Steps:
       jax.jit(_sample, static_argnames=("backend",), **kw))
 
 
-DEFAULT_STEPS = Steps(model_step, forward_step, draft_step, sample_step)
+DEFAULT_STEPS = _make_steps(None)  # XLA's default options: every platform
+model_step, forward_step, draft_step, sample_step = DEFAULT_STEPS
 _variants: dict = {}  # "cpu" / "cpu_unrolled" -> Steps (jit compiles lazily, when first run)
 _probe: dict = {}
 
 
-def _emitter_option_known() -> bool:
+def loop_emitters_known() -> bool:
   """Whether this jaxlib knows xla_cpu_use_fusion_emitters (an unknown compile option
   fails every compile that names it): one trivial compile, once per process."""
   if "known" not in _probe:
@@ -227,7 +215,7 @@ def steps_for(params, platform: str) -> Steps:
   if platform != "cpu":
     return DEFAULT_STEPS
   unrolled = isinstance(layers, (list, tuple))
-  known = _emitter_option_known()
+  known = loop_emitters_known()
   if unrolled:  # the loop emitters made XLA copy the pool again (three copies a step):
     # the fusion emitters, also where XLA_FLAGS asks for the loop emitters
     options = dict(UNROLLED_CPU_OPTIONS, **({"xla_cpu_use_fusion_emitters": True}
