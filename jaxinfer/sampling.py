@@ -124,6 +124,34 @@ def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
   return scaled, keep | (scaled == top)
 
 
+def inverse_cdf(weights, u, block: int = 256):
+  """Per row of weights [S, V] (>= 0, unnormalised) and u [S] in [0, 1): the token i with
+  cumsum(w)[i - 1] <= u * sum(w) < cumsum(w)[i], i.e. a draw from w / sum(w) that reads
+  each weight once: block sums, the block holding the target, then a cumulative sum
+  inside that block only. A token of weight 0 is never returned while its row has any
+  positive weight (rounding between the block sums and the in-block sums falls back to
+  the last positive weight). Replaces a Gumbel-max draw, whose per-token threefry noise
+  took 30-41 ms of a batch-64 step over 49,152 tokens on XLA:CPU."""
+  S, V = weights.shape
+  nb = -(-V // block)
+  w = jnp.pad(weights, ((0, 0), (0, nb * block - V))).reshape(S, nb, block)
+  bsum = jnp.sum(w, axis=-1)
+  cum = jnp.cumsum(bsum, axis=-1)
+  target = u * cum[:, -1]
+
+  def last_positive(x):  # the last index of a positive entry (0 when there is none)
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(x[:, ::-1] > 0, axis=-1)
+
+  j = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last_positive(bsum))
+  before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None],
+                                                 axis=-1)[:, 0], 0.0)
+  wj = jnp.take_along_axis(w, j[:, None, None], axis=1)[:, 0]
+  inner = jnp.cumsum(wj, axis=-1)
+  i = jnp.minimum(jnp.sum(inner <= (target - before)[:, None], axis=-1), last_positive(wj))
+  return jnp.minimum(j * block + i, V - 1).astype(jnp.int32)
+
+
 def filtered_probs(logits, temperature, top_k, top_p, min_p=None):
   """The distribution actually sampled from, [S, V] in vocabulary order (speculative
   verification applies the same filter to target and draft, 8.5.1)."""
@@ -220,12 +248,13 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
   V = logits.shape[-1]
 
   def draw(_):
-    # One Gumbel draw per row, indexed by token id, serves sampling and verification
-    # alike: with q a point mass on x, normalize([p - q]+) is p without x, renormalised,
-    # which the Gumbel-max over the support less x samples exactly. A row draws the same
-    # token whichever branch runs: the filter (top-k / top-p / min-p) only masks tokens.
+    # One uniform per row draws by the inverse CDF over the row's probabilities, in token
+    # order (`inverse_cdf`), and serves sampling and verification alike: with q a point
+    # mass on x, normalize([p - q]+) is p without x, renormalised, which the same draw
+    # over the weights less x samples exactly. A row draws the same token whichever
+    # branch runs: the filter (top-k / top-p / min-p) only zeroes weights.
     keys = row_keys(seed, counter)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys)
+    u_draw = jax.vmap(jax.random.uniform)(keys)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
 
     needs = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)
@@ -239,10 +268,12 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
                                   rows=temperature > 0) if filtered else
                       (logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], None))
       masked = scaled if keep is None else jnp.where(keep, scaled, -jnp.inf)
+      mx = jnp.max(masked, axis=-1, keepdims=True)
+      w = jnp.exp(masked - jnp.where(jnp.isfinite(mx), mx, 0.0))  # 0 where dropped
       at_draft = has[:, None] & (jnp.arange(V)[None, :] == d[:, None])
-      lse = jax.nn.logsumexp(masked, axis=-1)
-      p_draft = jnp.exp(jnp.take_along_axis(masked, d[:, None], axis=-1)[:, 0] - lse)
-      return argmax(jnp.where(at_draft, -jnp.inf, masked) + g), p_draft
+      p_draft = (jnp.take_along_axis(w, d[:, None], axis=-1)[:, 0] /
+                 jnp.maximum(jnp.sum(w, axis=-1), jnp.finfo(jnp.float32).tiny))
+      return inverse_cdf(jnp.where(at_draft, 0.0, w), u_draw), p_draft
 
     ids, p_draft = jax.lax.cond(jnp.any(needs & (temperature > 0)),
                                 lambda _: choose(True), lambda _: choose(False), None)

@@ -43,8 +43,8 @@ def test_filtered_probs_sum_to_one():
 
 
 def test_a_rows_draw_does_not_depend_on_its_batch_mates():
-  """Plain temperature rows skip the sort unless a row in the step uses top-k / top-p:
-  either way a row draws the same token (its noise is indexed by token id), and the
+  """Plain temperature rows skip the filter unless a row in the step uses top-k / top-p:
+  either way a row draws the same token (its uniform is keyed by its own seed), and the
   block argmax equals jnp.argmax, ties included."""
   rng = np.random.default_rng(3)
   n, V = 64, 512
@@ -58,6 +58,31 @@ def test_a_rows_draw_does_not_depend_on_its_batch_mates():
   ties = jnp.asarray(rng.integers(0, 3, (n, V)), jnp.float32)
   np.testing.assert_array_equal(sampling.argmax(ties), jnp.argmax(ties, axis=-1))
   np.testing.assert_array_equal(sampling.argmax(logits), jnp.argmax(logits, axis=-1))
+
+
+def test_inverse_cdf_draws_each_token_its_share_of_evenly_spaced_quantiles():
+  """N evenly spaced u give each token round(N p_i) draws within one (a float64 numpy
+  cumulative sum is the oracle), across block edges and a padded last block; tokens of
+  weight 0 are never drawn, and a row whose target rounds past its last weight gets its
+  last positive token."""
+  rng = np.random.default_rng(4)
+  V, N = 1000, 20000  # 4 blocks of 256, the last padded by 24
+  w = rng.gamma(0.3, 1.0, V) * (rng.random(V) > 0.3)
+  w[990:] = 0.0  # the last positive weight sits in the padded block's middle
+  w[300:560] = 0.0  # one whole block, and more, empty
+  p = w / w.sum()
+  u = (np.arange(N) + 0.5) / N
+  got = np.asarray(sampling.inverse_cdf(jnp.asarray(np.broadcast_to(w, (N, V)), jnp.float32),
+                                        jnp.asarray(u, jnp.float32)))
+  counts = np.bincount(got, minlength=V)
+  assert counts[w == 0].sum() == 0
+  oracle = np.bincount(np.searchsorted(np.cumsum(p), u, side="right"), minlength=V)
+  assert np.abs(counts - oracle).max() <= 1
+  assert np.abs(counts - N * p).max() <= 2
+  last = np.flatnonzero(w)[-1]
+  edge = sampling.inverse_cdf(jnp.asarray(w[None], jnp.float32),
+                              jnp.asarray([np.nextafter(np.float32(1), np.float32(0))]))
+  assert int(edge[0]) == last
 
 
 def _kept_oracle(logits, t, k, p, min_p):
