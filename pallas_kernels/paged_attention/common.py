@@ -116,5 +116,24 @@ def run_groups(q, k_new, v_new, pool, page_table, query_start, query_len, cached
   for sl, Q in ((slice(0, R - Rp), 1), (slice(R - Rp, R), max_query_len)):
     if sl.stop > sl.start:
       o, flat = group(q, scale, Q, tuple(a[sl] for a in meta))
-      out = out.at[flat].set(o, mode="drop")
+      out = place_rows(out, o, flat)
   return out
+
+
+def place_rows(out, rows, flat):
+  """out [T, N, H] with token flat[r, j] taking rows[r, j] (flat = T: no token), where
+  each row r of `flat` is a run of consecutive tokens (query_start + j for j < its
+  query_len, then T), as every group's is. A gather: each token finds the slot whose run
+  holds it ([T, R'] comparisons) and reads its row. XLA:CPU's loop emitter ran the
+  scatter this replaces one update at a time, five small ops per token in every layer:
+  8.6 ms of a batch-64 decode step and about 150 ms of a 512-token prefill (2026-12-02)."""
+  T = out.shape[0]
+  Rg, Q = flat.shape
+  start = flat[:, 0]
+  count = jnp.sum(flat < T, axis=1)
+  t = jnp.arange(T, dtype=flat.dtype)[:, None]
+  holds = (t >= start[None, :]) & (t < (start + count)[None, :])  # [T, R']
+  slot = jnp.sum(jnp.where(holds, jnp.arange(Rg, dtype=flat.dtype)[None, :], 0), axis=1)
+  src = slot * Q + jnp.clip(t[:, 0] - start[slot], 0, Q - 1)
+  got = rows.reshape(Rg * Q, *rows.shape[2:])[src]
+  return jnp.where(jnp.any(holds, axis=1)[:, None, None], got, out)
