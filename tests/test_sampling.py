@@ -63,8 +63,8 @@ def test_a_rows_draw_does_not_depend_on_its_batch_mates():
 def test_inverse_cdf_draws_each_token_its_share_of_evenly_spaced_quantiles():
   """N evenly spaced u give each token round(N p_i) draws within one (a float64 numpy
   cumulative sum is the oracle), across block edges and a padded last block; tokens of
-  weight 0 are never drawn, and a row whose target rounds past its last weight gets its
-  last positive token."""
+  weight 0 are never drawn, and a target at the row's whole sum (u = 1, which u * sum
+  can round to) gets the row's last positive token, past an empty padded tail."""
   rng = np.random.default_rng(4)
   V, N = 1000, 20000  # 4 blocks of 256, the last padded by 24
   w = rng.gamma(0.3, 1.0, V) * (rng.random(V) > 0.3)
@@ -81,7 +81,7 @@ def test_inverse_cdf_draws_each_token_its_share_of_evenly_spaced_quantiles():
   assert np.abs(counts - N * p).max() <= 2
   last = np.flatnonzero(w)[-1]
   edge = sampling.inverse_cdf(jnp.asarray(w[None], jnp.float32),
-                              jnp.asarray([np.nextafter(np.float32(1), np.float32(0))]))
+                              jnp.asarray([1.0], jnp.float32))
   assert int(edge[0]) == last
 
 
