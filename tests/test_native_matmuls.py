@@ -37,15 +37,16 @@ def test_unpackable_shapes_are_refused_by_name():
 
 @needs_amx
 def test_matmul_matches_reference():
-  """Row counts around the 16-row A tile (1, 5, 16, 17, 40), column counts that leave 1-4
-  column blocks in the last group of four (16 ... 80), K of one and of several 32-steps, a
-  stacked layer read by index, and an input that is not bf16-exact (rounded as XLA does)."""
+  """Row counts of the dot-product path (1-4, where the CPU has AVX512-BF16) and around
+  the 16-row A tile (5, 16, 17, 40), column counts that leave 1-4 column blocks in the
+  last group of four (16 ... 80), K of one and of several 32-steps, a stacked layer read
+  by index, and an input that is not bf16-exact (rounded as XLA does)."""
   rng = np.random.default_rng(1)
   for K, N in ((32, 16), (96, 48), (64, 80), (128, 64)):
     w = _w(rng, 3, K, N)
     t = tiles.pack(w)
     f = jax.jit(tiles.matmul)
-    for M in (1, 5, 16, 17, 40):
+    for M in (1, 2, 3, 4, 5, 16, 17, 40):
       x = rng.standard_normal((M, K)).astype(np.float32)
       for layer in (0, 2):
         got = np.asarray(f(x, t, layer))

@@ -8,6 +8,7 @@ and read in place by layer index, like the GGUF blocks of `block_matmul`:
 
   pack(w [(L,) K, N] bf16)  -> tiles uint16 [(L,) N/16, K/2, 16, 2] (pairs of K per column)
   matmul(x [M, K], tiles, layer) = bf16(x) @ w, float32 accumulation and result
+                            (1-4 rows: AVX512-BF16 dot products over the same layout)
   reference(...)            the jnp oracle (the same rounding of x, HIGHEST precision)
 
 Needs K % 32 == 0 and N % 16 == 0 (`packable`), and `available()`: the native library,
