@@ -161,30 +161,24 @@ struct Pool {
         const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
         const float s = static_cast<const float*>(scales)[lk * P + page];
         // e4m3fn's exponent and mantissa moved into a float32's fields read as the value
-        // times 2^-120 (exponent 0 lands on float32 subnormals with the same scaling), so a
-        // shift and two multiplies decode it (the first exact); S.1111.111 is NaN. Eight
-        // at a time where the target has AVX2, with the scalar loop's operations in its
-        // order (the same values): batch 16, context 4096, alternated with the scalar loop
-        // the compiler vectorised, steps of 264-302 against 305-361 ms (2026-12-02; an
-        // earlier hand-written form through GCC's vector types had measured slower).
+        // times 2^-120 (exponent 0 lands on float32 subnormals, same scaling): a shift and
+        // two multiplies (the first exact) decode it; S.1111.111 is NaN. AVX2: eight at a
+        // time, same order and values (batch 16, context 4096: 264-302 vs 305-361 ms).
 #if defined(__AVX2__) && defined(__FMA__)
-        {
-          const __m256 k120 = _mm256_set1_ps(0x1p120f), vs = _mm256_set1_ps(s);
-          const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80);
-          const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
-          for (int64_t h = 0; h < H; h += 8) {
-            const __m256i u = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + h)));
-            const __m256i mag = _mm256_and_si256(u, m7f);
-            const __m256i bits = _mm256_or_si256(
-                _mm256_slli_epi32(_mm256_and_si256(u, m80), 24), _mm256_slli_epi32(mag, 20));
-            const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), k120), vs);
-            _mm256_storeu_ps(buf + h, _mm256_blendv_ps(
-                x, qnan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, m7f))));
-          }
-          return buf;
+        const __m256 k120 = _mm256_set1_ps(0x1p120f), vs = _mm256_set1_ps(s);
+        const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80);
+        const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+        for (int64_t h = 0; h < H; h += 8) {
+          const __m256i u = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + h)));
+          const __m256i mag = _mm256_and_si256(u, m7f);
+          const __m256i bits = _mm256_or_si256(
+              _mm256_slli_epi32(_mm256_and_si256(u, m80), 24), _mm256_slli_epi32(mag, 20));
+          const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), k120), vs);
+          _mm256_storeu_ps(buf + h, _mm256_blendv_ps(
+              x, qnan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, m7f))));
         }
-#endif
+#else
         for (int64_t h = 0; h < H; ++h) {
           const uint32_t u = c[h];
           const uint32_t bits = (u & 0x7fu) == 0x7fu ? 0x7fc00000u
@@ -193,6 +187,7 @@ struct Pool {
           std::memcpy(&x, &bits, 4);
           buf[h] = x * 0x1p120f * s;
         }
+#endif
         return buf;
       }
       case kQ8_0: {
