@@ -54,6 +54,11 @@ _UNIT = float(1 << 30)  # top-p sums probabilities in units of 2^-30: exact inte
 _LOWEST = -(1 << 31)
 
 
+def scale_by_temperature(logits, temperature):
+  """logits [S, V] / temperature [S]; greedy rows (temperature <= 0) unscaled."""
+  return logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+
 def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
   """(scaled logits, keep [S, V] bool): the temperature-scaled logits and the tokens
   that top-k, then top-p over the top-k distribution, then min-p (relative to the most
@@ -64,8 +69,7 @@ def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):
   most likely token is always kept. rows [S] bool (default: all): the rows whose masks
   are used (a greedy row's is not); only they decide between candidates and bisection."""
   S, V = logits.shape
-  t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  scaled = logits / t
+  scaled = scale_by_temperature(logits, temperature)
   key = _order_key(scaled)
   C = min(CANDIDATES, V)
   cand, _ = jax.lax.top_k(scaled, C)
@@ -266,7 +270,7 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, tok
       # a row draws the same token whichever branch its batch mates select
       scaled, keep = (filter_mask(logits, temperature, top_k, top_p, min_p,
                                   rows=temperature > 0) if filtered else
-                      (logits / jnp.where(temperature > 0, temperature, 1.0)[:, None], None))
+                      (scale_by_temperature(logits, temperature), None))
       masked = scaled if keep is None else jnp.where(keep, scaled, -jnp.inf)
       mx = jnp.max(masked, axis=-1, keepdims=True)
       w = jnp.exp(masked - jnp.where(jnp.isfinite(mx), mx, 0.0))  # 0 where dropped

@@ -8,6 +8,7 @@ per step or per request is an array of a bucket shape, so a warm step never retr
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, NamedTuple
@@ -175,21 +176,19 @@ def _make_steps(options: dict | None) -> Steps:
 DEFAULT_STEPS = _make_steps(None)  # XLA's default options: every platform
 model_step, forward_step, draft_step, sample_step = DEFAULT_STEPS
 _variants: dict = {}  # "cpu" / "cpu_unrolled" -> Steps (jit compiles lazily, when first run)
-_probe: dict = {}
 
 
+@functools.cache
 def loop_emitters_known() -> bool:
   """Whether this jaxlib knows xla_cpu_use_fusion_emitters (an unknown compile option
   fails every compile that names it): one trivial compile, once per process."""
-  if "known" not in _probe:
-    try:
-      x = jax.device_put(jnp.zeros(2), jax.devices("cpu")[0])
-      jax.jit(lambda a: a + 1, compiler_options=CPU_OPTIONS).lower(x).compile()
-      _probe["known"] = True
-    except Exception as e:  # noqa: BLE001 -- any refusal: XLA's default emitters
-      logging.getLogger(__name__).info("XLA:CPU default emitters (%s)", e)
-      _probe["known"] = False
-  return _probe["known"]
+  try:
+    x = jax.device_put(jnp.zeros(2), jax.devices("cpu")[0])
+    jax.jit(lambda a: a + 1, compiler_options=CPU_OPTIONS).lower(x).compile()
+    return True
+  except Exception as e:  # noqa: BLE001 -- any refusal: XLA's default emitters
+    logging.getLogger(__name__).info("XLA:CPU default emitters (%s)", e)
+    return False
 
 
 def _all_steps():
@@ -215,12 +214,11 @@ def steps_for(params, platform: str) -> Steps:
   if platform != "cpu":
     return DEFAULT_STEPS
   unrolled = isinstance(layers, (list, tuple))
-  known = loop_emitters_known()
   if unrolled:  # the loop emitters made XLA copy the pool again (three copies a step):
     # the fusion emitters, also where XLA_FLAGS asks for the loop emitters
     options = dict(UNROLLED_CPU_OPTIONS, **({"xla_cpu_use_fusion_emitters": True}
-                                            if known else {}))
-  elif os.environ.get("JAXINFER_FUSION_EMITTERS") != "1" and known:
+                                            if loop_emitters_known() else {}))
+  elif os.environ.get("JAXINFER_FUSION_EMITTERS") != "1" and loop_emitters_known():
     options = dict(CPU_OPTIONS)
   else:
     options = {}

@@ -115,7 +115,7 @@ def test_unrolled_steps_equal_scanned_and_never_copy_the_pool(qwen3_dir):
     ex = JaxExecutor(m.cfg, m.params, num_pages=pages, page_size=16)
     got[scan] = [ex.execute(s).packed for s in steps]
     if not scan:
-      hlo = ex._forward_step.lower(ex.params, ex.pool, forward_inputs(steps[1].arrays),
+      hlo = ex._steps.forward.lower(ex.params, ex.pool, forward_inputs(steps[1].arrays),
                                    cfg=m.cfg, attn_shape=steps[1].bucket.attn_shape,
                                    backend=ex.backend).compile().as_text()
       pool_shape = "f32[" + ",".join(map(str, ex.pool["k"].shape)) + "]"

@@ -82,7 +82,6 @@ class JaxExecutor:
         self.params = cpu_layout(self.params)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self._steps = steps_for(params, self.devices[0].platform)
-    self._model_step, self._forward_step, self._draft_step = self._steps[:3]
     self.streamer = None
     if offload is not None and offload.layers:
       from jaxinfer.executors.offload import LayerStreamer
@@ -190,7 +189,7 @@ class JaxExecutor:
       return out, t0
     if step.mask_fn is not None and not self.overlap_masks:
       arrays = dict(arrays, token_mask=step.mask_fn())
-    logits, self.pool = self._forward_step(self.params, self.pool, forward_inputs(arrays),
+    logits, self.pool = self._steps.forward(self.params, self.pool, forward_inputs(arrays),
                                            cfg=self.cfg, attn_shape=step.bucket.attn_shape,
                                            backend=self.backend)
     if step.mask_fn is not None and self.overlap_masks:
@@ -238,7 +237,7 @@ class JaxExecutor:
     arrays = step.arrays
     if "lora_slot" in arrays:
       arrays = self._with_lora(arrays, step.bucket)
-    (packed, logits), self.pool = self._model_step(
+    (packed, logits), self.pool = self._steps.model(
         self.params, self.pool, arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
         backend=self.backend, return_logits=True)
     return np.asarray(packed), np.asarray(logits)
@@ -256,7 +255,7 @@ class JaxExecutor:
   def draft(self, step: StepInput, num_layers: int) -> np.ndarray:
     """Greedy draft tokens [S] from the first `num_layers` layers and the LM head; writes
     those layers' K/V of the step's positions into the pool."""
-    out, self.pool = self._draft_step(self.params, self.pool, step.arrays, cfg=self.cfg,
+    out, self.pool = self._steps.draft(self.params, self.pool, step.arrays, cfg=self.cfg,
                                       attn_shape=step.bucket.attn_shape, backend=self.backend,
                                       num_layers=num_layers)
     return np.asarray(out)
