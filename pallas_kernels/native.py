@@ -34,7 +34,8 @@ import jax
 log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-HEADERS = (os.path.join(_HERE, "native_items.h"),)  # included by sources: part of the key
+HEADERS = (os.path.join(_HERE, "native_items.h"),  # included by sources: part of the key
+           os.path.join(_HERE, "paged_attention", "kv_rows.h"))
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_amx.cc"),

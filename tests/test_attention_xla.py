@@ -3,6 +3,7 @@ reference, on NaN-poisoned pools: every KV format, GQA ratios, page sizes, decod
 mixed steps, contexts spanning many page blocks, padding slots, Q precision. Decode slots
 run both ways each time: XLA ops, and the native CPU custom call (cpu_decode.cc)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -128,6 +129,43 @@ def test_native_call_clips_bad_metadata_instead_of_reading_out_of_bounds():
           q, kn, vn, pool, layer, bad_pt, qs, ql, bad_cl))
   assert out.shape == ref.shape
   np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=1e-5)  # slot 0 untouched
+
+
+def test_native_fp8_decode_of_every_code():
+  """The native call decodes fp8 through IEEE halves with the page scale folded into q and
+  the weights: all 256 codes (subnormals included) against the codec's decode, on K and on
+  V; a NaN code in the context poisons the output as the reference's does (K: every
+  column, V: its own)."""
+  from pallas_kernels import kv_codec
+  from pallas_kernels.paged_attention import cpu_native
+  assert cpu_native.available()  # builds and registers the call (a compiler is required here)
+  rng = np.random.default_rng(3)
+  fmt, H, ps = kv_codec.get_format("fp8"), 64, 16
+  codes = (rng.permutation(4 * ps * H) % 256).astype(np.uint8).reshape(1, 1, 4, ps, H)
+  finite = np.where((codes & 0x7f) == 0x7f, 0, codes).astype(np.uint8)
+  scales = jnp.asarray([[[0.75, 3.0, 0.01, 1.0]]], jnp.float32)
+  q = jnp.asarray(rng.standard_normal((1, 2, H)) * 0.01, jnp.float32)
+  kn = vn = jnp.zeros((1, 1, H), jnp.float32)
+  pt, cl = jnp.asarray([[2, 0, 3, 1]], jnp.int32), jnp.asarray([64], jnp.int32)
+
+  def native(k, v):
+    pool = {"k": jnp.asarray(k), "v": jnp.asarray(v), "k_ps": scales, "v_ps": scales}
+    return np.asarray(cpu_native.decode_attention(q, kn, vn, pool, 0, pt, cl, scale=1.0))
+
+  def rows(c):  # decoded by the codec, in the slot's page order, then its own zero token
+    x = np.asarray(kv_codec.decode(fmt, jnp.asarray(c[0, 0]), scales[0, 0][:, None, None]))
+    return np.concatenate([x[np.asarray(pt[0])].reshape(-1, H), np.zeros((1, H))])
+
+  k, v = finite, finite[:, :, ::-1].copy()
+  sc = np.asarray(q[0], np.float64) @ rows(k).T
+  p = np.exp(sc - sc.max(1, keepdims=True))
+  ref = (p / p.sum(1, keepdims=True)) @ rows(v)
+  np.testing.assert_allclose(native(k, v)[0], ref, rtol=1e-5, atol=1e-6)
+  nan = finite.copy()
+  nan[0, 0, 3, 5, 7] = 0xff  # page 3: the slot's third page
+  assert np.isnan(native(nan, v)).all()  # a NaN score: the whole softmax
+  v_nan = np.isnan(native(k, nan))
+  assert v_nan[..., 7].all() and not v_nan[..., :7].any()  # a NaN value: its column
 
 
 def test_native_build_failure_names_the_compiler_and_its_output(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-// Paged decode attention for XLA:CPU, as an XLA FFI custom call (see cpu_native.py).
+// Paged decode attention for XLA:CPU, as an XLA FFI custom call (see cpu_native.py; the
+// pool's rows are read by kv_rows.h).
 //
 // One new token per request slot: for each (slot r, KV head k) the G = N / K query rows
 // of that head start the online softmax with the slot's own new token, then read its
@@ -20,6 +21,8 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "native_items.h"
+#include "paged_attention/kv_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -29,31 +32,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Format : int32_t { kF32 = 0, kBF16 = 1, kFP8 = 2, kQ8_0 = 3, kQ4_0 = 4 };
-constexpr int kGroup = 32;
+using namespace jaxinfer;  // NOLINT: kv_rows.h's Pool, V8 and formats
+
 constexpr int kMaxH = 256;
 constexpr int kMaxG = 16;
 constexpr int64_t kMinSplitTokens = 512;  // context tokens per split-K part, at least
 constexpr int64_t kMaxSplits = 8;
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1f;
-  const uint32_t man = h & 0x3ffu;
-  float f;
-  if (exp == 0) {  // zero or subnormal: man * 2^-24
-    f = std::ldexp(static_cast<float>(man), -24);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  uint32_t bits = exp == 31 ? (sign | 0x7f800000u | (man << 13))
-                            : (sign | ((exp + 112) << 23) | (man << 13));
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // exp(x) for x <= 0 (softmax arguments): a branch-free polynomial, within 1 ulp of exp
 // over [-87, 0] (checked on 2M points in float32 arithmetic). Its constants are shared with
@@ -115,111 +99,6 @@ inline float ExpShifted(float* s, int64_t cnt, float mx) {
   }
   return sum;
 }
-
-// Eight floats, in whatever vector registers the target has (GCC / Clang extension).
-typedef float V8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t V8i __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2)));
-typedef uint8_t U8x8 __attribute__((vector_size(8), aligned(1)));
-
-struct Pool {
-  Format fmt;
-  const void* codes;       // [L, K, P, ps, Hc]
-  const void* scales;      // q8_0 / q4_0: uint16 [L, K, P, ps, H/32]; fp8: float [L, K, P]
-  int64_t P, ps, H, Hc;
-  int64_t code_bytes;  // bytes per code element
-
-  // Ask for rows [o0, o1) of a page ahead of use: pages lie at random places in the pool,
-  // where the hardware prefetcher cannot follow (measured: loads stalled on misses
-  // otherwise). The caller spreads a page's rows over the work of the page before, a few
-  // lines per token: asking for a whole page at once filled the core's line-fill buffers,
-  // and the prefetches then stalled the loop (55% of the kernel's samples sat on them).
-  void PrefetchRows(int64_t lk, int64_t page, int64_t o0, int64_t o1) const {
-    const int64_t row = Hc * code_bytes;
-    const char* base = static_cast<const char*>(codes) + ((lk * P + page) * ps + o0) * row;
-    for (int64_t off = 0; off < (o1 - o0) * row; off += 64) __builtin_prefetch(base + off, 0, 3);
-  }
-
-  // Row (layer, head, page, slot) decoded to float; f32 rows are returned in place.
-  const float* Row(int64_t lk, int64_t page, int64_t slot, float* buf) const {
-    const int64_t row = (lk * P + page) * ps + slot;
-    switch (fmt) {
-      case kF32:
-        return static_cast<const float*>(codes) + row * Hc;
-      case kBF16: {
-        const uint16_t* c = static_cast<const uint16_t*>(codes) + row * Hc;
-        // Eight at a time, stored as vectors: scalar stores read back by the vector loads
-        // stall store forwarding (measured: bf16 slower than f32 before).
-        for (int64_t h = 0; h < H; h += 8) {
-          const V8i bits = __builtin_convertvector(*reinterpret_cast<const U16x8*>(c + h), V8i)
-                           << 16;
-          *reinterpret_cast<V8*>(buf + h) = reinterpret_cast<const V8&>(bits);
-        }
-        return buf;
-      }
-      case kFP8: {
-        const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
-        const float s = static_cast<const float*>(scales)[lk * P + page];
-        // e4m3fn's exponent and mantissa moved into a float32's fields read as the value
-        // times 2^-120 (exponent 0 lands on float32 subnormals, same scaling): a shift and
-        // two multiplies (the first exact) decode it; S.1111.111 is NaN. AVX2: eight at a
-        // time, same order and values (batch 16, context 4096: 264-302 vs 305-361 ms).
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 k120 = _mm256_set1_ps(0x1p120f), vs = _mm256_set1_ps(s);
-        const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80);
-        const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
-        for (int64_t h = 0; h < H; h += 8) {
-          const __m256i u = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + h)));
-          const __m256i mag = _mm256_and_si256(u, m7f);
-          const __m256i bits = _mm256_or_si256(
-              _mm256_slli_epi32(_mm256_and_si256(u, m80), 24), _mm256_slli_epi32(mag, 20));
-          const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), k120), vs);
-          _mm256_storeu_ps(buf + h, _mm256_blendv_ps(
-              x, qnan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, m7f))));
-        }
-#else
-        for (int64_t h = 0; h < H; ++h) {
-          const uint32_t u = c[h];
-          const uint32_t bits = (u & 0x7fu) == 0x7fu ? 0x7fc00000u
-                                                     : ((u & 0x80u) << 24) | ((u & 0x7fu) << 20);
-          float x;
-          std::memcpy(&x, &bits, 4);
-          buf[h] = x * 0x1p120f * s;
-        }
-#endif
-        return buf;
-      }
-      case kQ8_0: {
-        const int8_t* c = static_cast<const int8_t*>(codes) + row * Hc;
-        const uint16_t* s = static_cast<const uint16_t*>(scales) + row * (H / kGroup);
-        for (int64_t g = 0; g < H / kGroup; ++g) {  // (vectorised by the compiler, as fp8)
-          const float d = HalfToFloat(s[g]);
-          for (int j = 0; j < kGroup; ++j) buf[g * kGroup + j] = c[g * kGroup + j] * d;
-        }
-        return buf;
-      }
-      case kQ4_0: {
-        const uint8_t* c = static_cast<const uint8_t*>(codes) + row * Hc;
-        const uint16_t* s = static_cast<const uint16_t*>(scales) + row * (H / kGroup);
-        for (int64_t g = 0; g < H / kGroup; ++g) {
-          const float d = HalfToFloat(s[g]);
-          const uint8_t* b = c + g * (kGroup / 2);
-          for (int j = 0; j < kGroup / 2; j += 8) {  // low nibbles: values j, high: j + 16
-            const V8i x = __builtin_convertvector(*reinterpret_cast<const U8x8*>(b + j), V8i);
-            *reinterpret_cast<V8*>(buf + g * kGroup + j) =
-                __builtin_convertvector((x & 0xf) - 8, V8) * d;
-            *reinterpret_cast<V8*>(buf + g * kGroup + j + kGroup / 2) =
-                __builtin_convertvector((x >> 4) - 8, V8) * d;
-          }
-        }
-        return buf;
-      }
-    }
-    return buf;
-  }
-};
-
 
 // An unaligned vector load (V8 is declared 4-byte aligned); a memcpy here compiled to two
 // 16-byte moves through the stack and a stalled 32-byte reload.
@@ -287,6 +166,27 @@ inline Ahead FirstPage(const Args& a, int64_t r, int64_t k, int64_t split) {
   return h;
 }
 
+// What to prefetch while reading the page of token t0: the item's next page, or `after`.
+inline Ahead Next(const Args& a, int64_t r, int64_t lk, int64_t t0, int64_t n, Ahead after) {
+  const int64_t ps = a.kp.ps;
+  if (t0 + ps >= n) return after;
+  Ahead h;
+  h.lk = lk;
+  h.page = PageAt(a, r, t0 + ps);
+  h.cnt = n - t0 - ps < ps ? n - t0 - ps : ps;
+  return h;
+}
+
+// Column vectors per block of the V pass: the most that divide H / 8 and keep the G x CB
+// accumulators, CB V vectors and a weight in 16 registers (one spilled accumulator made
+// every token wait on a store and its reload); 1 where the shape is not known.
+constexpr int64_t ColumnBlock(int hv, int g) {
+  int64_t cb = 1;
+  for (int64_t c = 1; hv && g && c <= hv && (g + 1) * c + 1 <= 16; ++c)
+    if (hv % c == 0) cb = c;
+  return cb;
+}
+
 // One (slot, KV head): G query rows over the slot's cached tokens and its own new token.
 // HV = H / 8 and GG = G when known at compile time (SmolLM2: 8 and 3, Qwen3-8B: 16 and 4;
 // the accumulators then stay in registers), 0 for any other shape.
@@ -296,7 +196,8 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
   const int64_t G = GG ? GG : a.G, ps = a.kp.ps;
   const int64_t hv = HV ? HV : a.H / 8;
   V8 q[kMaxG][kMaxH / 8], acc[kMaxG][kMaxH / 8];
-  alignas(64) float kbuf[kMaxH], vbuf[kMaxH];
+  alignas(64) float kbuf[kMaxH];
+  alignas(64) float vpage[64 * kMaxH];  // a page's decoded V rows
 #if defined(__AVX2__) && defined(__FMA__)
   alignas(64) float kbuf4[4][kMaxH];  // the four-token path's decoded K rows
 #endif
@@ -334,78 +235,111 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
     a.kp.PrefetchRows(after.lk, after.page, 0, after.cnt);
     a.vp.PrefetchRows(after.lk, after.page, 0, after.cnt);
   }
-  for (int64_t t0 = tb; t0 < n; t0 += ps) {
-    const int64_t page = PageAt(a, r, t0);
-    const int64_t cnt = n - t0 < ps ? n - t0 : ps;
-    // the next page's rows (or, on the last page, the first page of the thread's next
-    // item): K during this page's scores, V during its values
-    Ahead nx = after;
-    if (t0 + ps < n) {
-      nx.lk = lk;
-      nx.page = PageAt(a, r, t0 + ps);
-      nx.cnt = n - t0 - ps < ps ? n - t0 - ps : ps;
-    }
-    const int64_t cnt_next = nx.cnt;
+  // Tokens are taken a chunk of whole pages at a time, up to 64 (four 16-token pages): one
+  // online-softmax update and rescale per chunk instead of per page.
+  const int64_t chunk = ps * (64 / ps);
+  for (int64_t c0 = tb; c0 < n; c0 += chunk) {
+    const int64_t cn = n - c0 < chunk ? n - c0 : chunk;
     float mb[kMaxG];
     for (int64_t g = 0; g < G; ++g) mb[g] = m[g];
-    int64_t o = 0;
+    for (int64_t p0 = 0; p0 < cn; p0 += ps) {
+      const int64_t page = PageAt(a, r, c0 + p0);
+      const int64_t cnt = cn - p0 < ps ? cn - p0 : ps;
+      // the next page's rows (or, on the last page, the first page of the thread's next
+      // item), K and V both during this page's scores: V is read after the chunk's softmax
+      const Ahead nx = Next(a, r, lk, c0 + p0, n, after);
+      const int64_t cnt_next = nx.cnt;
+      const float ks = a.kp.PageScale(lk, page);  // fp8: folded into q (Row leaves it out)
+      V8 qs[kMaxG][kMaxH / 8];
+      const V8(*qq)[kMaxH / 8] = q;
+      if (ks != 1.0f) {
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < hv; ++c) qs[g][c] = q[g][c] * ks;
+        qq = qs;
+      }
+      int64_t o = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    // Four tokens at a time: 4 G independent FMA chains instead of G (one token's chains
-    // are H / 8 FMAs long, each waiting on the last), and their scores reduced together
-    // by horizontal adds (four tokens' sums in five instructions).
-    for (; o + 4 <= cnt; o += 4) {
-      if (o < cnt_next) a.kp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
-      const float* kr[4];
-      for (int t = 0; t < 4; ++t) kr[t] = a.kp.Row(lk, page, o + t, kbuf4[t]);
-      __m256 d[kMaxG][4];
-      for (int64_t g = 0; g < G; ++g)
-        for (int t = 0; t < 4; ++t) d[g][t] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < hv; ++c) {
-        __m256 kc[4];
-        for (int t = 0; t < 4; ++t) kc[t] = _mm256_loadu_ps(kr[t] + 8 * c);
+      // Four tokens at a time: 4 G independent FMA chains instead of G (one token's chains
+      // are H / 8 FMAs long, each waiting on the last), and their scores reduced together
+      // by horizontal adds (four tokens' sums in five instructions).
+      for (; o + 4 <= cnt; o += 4) {
+        if (o < cnt_next) {
+          a.kp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
+          a.vp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
+        }
+        const float* kr[4];
+        for (int t = 0; t < 4; ++t) kr[t] = a.kp.Row(lk, page, o + t, kbuf4[t]);
+        __m256 d[kMaxG][4];
+        for (int64_t g = 0; g < G; ++g)
+          for (int t = 0; t < 4; ++t) d[g][t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < hv; ++c) {
+          __m256 kc[4];
+          for (int t = 0; t < 4; ++t) kc[t] = _mm256_loadu_ps(kr[t] + 8 * c);
+          for (int64_t g = 0; g < G; ++g) {
+            // V8 is declared 4-byte aligned: an unaligned load, not an __m256 reference
+            const __m256 qc = _mm256_loadu_ps(reinterpret_cast<const float*>(&qq[g][c]));
+            for (int t = 0; t < 4; ++t) d[g][t] = _mm256_fmadd_ps(qc, kc[t], d[g][t]);
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
-          // V8 is declared 4-byte aligned: an unaligned load, not an __m256 reference
-          const __m256 qc = _mm256_loadu_ps(reinterpret_cast<const float*>(&q[g][c]));
-          for (int t = 0; t < 4; ++t) d[g][t] = _mm256_fmadd_ps(qc, kc[t], d[g][t]);
+          const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]),
+                                          _mm256_hadd_ps(d[g][2], d[g][3]));
+          const __m128 sc = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+          _mm_storeu_ps(&s[g][p0 + o], sc);
+          for (int t = 0; t < 4; ++t) mb[g] = s[g][p0 + o + t] > mb[g] ? s[g][p0 + o + t] : mb[g];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(d[g][0], d[g][1]),
-                                        _mm256_hadd_ps(d[g][2], d[g][3]));
-        const __m128 sc = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        _mm_storeu_ps(&s[g][o], sc);
-        for (int t = 0; t < 4; ++t) mb[g] = s[g][o + t] > mb[g] ? s[g][o + t] : mb[g];
-      }
-    }
 #endif
-    for (; o < cnt; ++o) {
-      if (o < cnt_next) a.kp.PrefetchRows(nx.lk, nx.page, o, o + 1);
-      const float* kr = a.kp.Row(lk, page, o, kbuf);
-      V8 d[kMaxG];
-      for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t c = 0; c < hv; ++c) {
-        const V8 kc = Load(kr + 8 * c);
-        for (int64_t g = 0; g < G; ++g) d[g] += q[g][c] * kc;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float x = Sum(d[g]);
-        s[g][o] = x;
-        mb[g] = x > mb[g] ? x : mb[g];
+      for (; o < cnt; ++o) {
+        if (o < cnt_next) {
+          a.kp.PrefetchRows(nx.lk, nx.page, o, o + 1);
+          a.vp.PrefetchRows(nx.lk, nx.page, o, o + 1);
+        }
+        const float* kr = a.kp.Row(lk, page, o, kbuf);
+        V8 d[kMaxG];
+        for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t c = 0; c < hv; ++c) {
+          const V8 kc = Load(kr + 8 * c);
+          for (int64_t g = 0; g < G; ++g) d[g] += qq[g][c] * kc;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float x = Sum(d[g]);
+          s[g][p0 + o] = x;
+          mb[g] = x > mb[g] ? x : mb[g];
+        }
       }
     }
     for (int64_t g = 0; g < G; ++g) {
       const float alpha = FastExp(m[g] - mb[g]);
       m[g] = mb[g];
-      l[g] = l[g] * alpha + ExpShifted(s[g], cnt, mb[g]);
+      l[g] = l[g] * alpha + ExpShifted(s[g], cn, mb[g]);
       if (alpha != 1.0f)
         for (int64_t c = 0; c < hv; ++c) acc[g][c] *= alpha;
     }
-    for (int64_t o = 0; o < cnt; ++o) {
-      if (o < cnt_next) a.vp.PrefetchRows(nx.lk, nx.page, o, o + 1);
-      const float* vr = a.vp.Row(lk, page, o, vbuf);
-      for (int64_t c = 0; c < hv; ++c) {
-        const V8 vc = Load(vr + 8 * c);
-        for (int64_t g = 0; g < G; ++g) acc[g][c] += s[g][o] * vc;
+    for (int64_t p0 = 0; p0 < cn; p0 += ps) {
+      const int64_t page = PageAt(a, r, c0 + p0);
+      const int64_t cnt = cn - p0 < ps ? cn - p0 : ps;
+      // The page's V rows (decoded into vpage unless f32), then acc += s V a block of CB
+      // column vectors at a time, tokens innermost: G x CB accumulators stay in registers
+      // (all G x H / 8 of them did not fit: every FMA was a load and a store).
+      const float* vr[64];
+      for (int64_t o = 0; o < cnt; ++o) vr[o] = a.vp.Row(lk, page, o, vpage + o * kMaxH);
+      const float vs = a.vp.PageScale(lk, page);  // fp8: folded into the weights
+      constexpr int64_t CB = ColumnBlock(HV, GG);
+      for (int64_t b = 0; b < hv; b += CB) {
+        V8 ac[kMaxG][CB];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < CB; ++j) ac[g][j] = acc[g][b + j];
+        for (int64_t o = 0; o < cnt; ++o) {
+          V8 vc[CB];
+          for (int64_t j = 0; j < CB; ++j) vc[j] = Load(vr[o] + 8 * (b + j));
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = s[g][p0 + o] * vs;
+            for (int64_t j = 0; j < CB; ++j) ac[g][j] += w * vc[j];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < CB; ++j) acc[g][b + j] = ac[g][j];
       }
     }
   }
@@ -569,11 +503,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     a.part = part.data();
   }
   sh->items = a.R * a.K * a.splits;
-  int64_t helpers = parallel ? pool.num_threads() : 0;
-  if (helpers > sh->items - 1) helpers = sh->items - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
-  Drain(sh.get());
-  while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  jaxinfer::RunItems(pool, sh, sh->items, parallel, Drain);
   if (a.splits > 1) Merge(a);
   return ffi::Error::Success();
 }
