@@ -122,13 +122,23 @@ def uniform_step(batch: int, context: int, new_tokens: int = 1, page_size: int =
 
 def time_step(executor, step: StepInput, repeats: int = 5) -> float:
   """Median seconds of one executor step (launch to result on the host)."""
-  executor.execute(step)
-  ts = []
+  return time_steps([executor], step, repeats)[0]
+
+
+def time_steps(executors, step: StepInput, repeats: int = 5) -> list:
+  """Median seconds of one step of each executor, their steps taken in turn (round by
+  round): on a machine whose speed drifts from minute to minute (the 2-core VM's swings
+  reach 2x) the executors then share each spell, and their ratios hold where figures
+  measured one after the other did not."""
+  for ex in executors:
+    ex.execute(step)  # compiles
+  ts = [[] for _ in executors]
   for _ in range(repeats):
-    t = time.perf_counter()
-    executor.execute(step)
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
+    for i, ex in enumerate(executors):
+      t = time.perf_counter()
+      ex.execute(step)
+      ts[i].append(time.perf_counter() - t)
+  return [float(np.median(t)) for t in ts]
 
 
 # --- the peer every benchmark prints beside its figures: HF transformers, same run ---

@@ -50,6 +50,9 @@ flags.DEFINE_list("dtypes", ["float32"], "weight dtypes of the dense rows: float
                   "beside them in bf16)")
 flags.DEFINE_integer("repeats", 5, "timed steps per figure (median)")
 flags.DEFINE_float("max_pool_gib", 6.0, "skip combinations whose KV pool is larger")
+flags.DEFINE_bool("alternate", True, "time each (batch, context) cell's rows (KV formats, "
+                  "weights, dtypes, backends) with their steps in turn, all executors alive "
+                  "at once: their ratios then survive this machine's drifting speed")
 flags.DEFINE_bool("hf", True, "run HF transformers in the same run (if installed)")
 flags.DEFINE_bool("llama_cpp", True, "run llama.cpp at batch 1 and in prefill in the same run "
                   "(if llama-cpp-python is installed: tools/install_peers.sh)")
@@ -126,17 +129,18 @@ def main(argv):
     return rates[rows, lm_rows, dtype, native]
 
   rows, skipped = [], []
-  for kv_format in FLAGS.kv_formats:
-    costs = ModelCosts(cfg, 4.0, kv_format, ps)
-    kv_tok = bytes_per_token(cfg, kv_format, ps)
-    for ctx in contexts:
-      for B in batches:
-        pool_gib = B * (ctx + 1 + ps) * kv_tok / 2**30
+  for ctx in contexts:
+    for B in batches:
+      step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
+      seqs = [(1, ctx)] * B
+      cell = []  # (row without its time, executor) of every KV format and variant
+      th, tl = {}, None
+      for kv_format in FLAGS.kv_formats:
+        costs = ModelCosts(cfg, 4.0, kv_format, ps)
+        pool_gib = B * (ctx + 1 + ps) * bytes_per_token(cfg, kv_format, ps) / 2**30
         if pool_gib > FLAGS.max_pool_gib:
           skipped.append(f"{kv_format} batch {B} context {ctx}: pool {pool_gib:.1f} GiB")
           continue
-        step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
-        seqs = [(1, ctx)] * B
         attn = costs.attention_flops(seqs)
         floors = {("dense", "float32"): (costs.step_bytes(seqs) / bw, (
             costs.step_flops(seqs) - attn) / rate(B, B, native=pan) + attn / peak),
@@ -149,34 +153,41 @@ def main(argv):
           bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
           floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
                                          rate(r16, r16, "bfloat16", amx) + attn / peak)
-        th, tl = {}, None
-        for dt, h in hf_of.items():
-          if h is not None and kv_format == "f32":
-            th[dt] = bm.hf_decode_step(h, cfg, B, ctx, FLAGS.repeats)
-        if lc is not None and kv_format == "f32" and B == 1:
-          tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
+        if kv_format == "f32":
+          for dt, h in hf_of.items():
+            if h is not None:
+              th[dt] = bm.hf_decode_step(h, cfg, B, ctx, FLAGS.repeats)
+          if lc is not None and B == 1:
+            tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for (wf, dt), backend in itertools.product(variants, FLAGS.attention):
           if wf == "gguf" and B > transformer.BLOCK_MATMUL_MAX_TOKENS:
             continue  # such a step multiplies by the dense weights: the dense row
           bw_floor, c_floor = floors[wf, dt]
-          ex = JaxExecutor(cfg, params_of[wf, dt], num_pages=num_pages, page_size=ps,
-                           kv_format=kv_format, backend=backend)
-          t = bm.time_step(ex, step, FLAGS.repeats)
-          del ex
-          h = th.get(dt)  # HF in the row's own dtype
+          h = th.get(dt) if kv_format == "f32" else None  # HF in the row's own dtype
           r = {"attention": backend, "weights": wf, "dtype": dt, "kv_format": kv_format,
-               "batch": B, "context": ctx,
-               "step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bw_floor,
-               "compute_floor_ms": 1e3 * c_floor, "over_floor": t / max(bw_floor, c_floor),
-               "hf_step_ms": None if h is None else 1e3 * h,
-               "over_hf": None if h is None else h / t,
-               "over_hf_f32": None if "float32" not in th else th["float32"] / t,
-               "llama_cpp_step_ms": None if tl is None else 1e3 * tl}
-          rows.append(r)
-          print(f"decode {backend} {wf} {dt} {kv_format} batch {B} context {ctx}: "
-                f"{r['step_ms']:.1f} ms "
-                f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
-                file=sys.stderr, flush=True)
+               "batch": B, "context": ctx, "bandwidth_floor_ms": 1e3 * bw_floor,
+               "compute_floor_ms": 1e3 * c_floor, "hf_step_ms": None if h is None else 1e3 * h,
+               "llama_cpp_step_ms": None if tl is None or kv_format != "f32" else 1e3 * tl}
+          cell.append((r, lambda wf=wf, dt=dt, backend=backend, kv_format=kv_format:
+                       JaxExecutor(cfg, params_of[wf, dt], num_pages=num_pages,
+                                   page_size=ps, kv_format=kv_format, backend=backend)))
+      if FLAGS.alternate:  # every row's executor at once, their steps in turn
+        times = bm.time_steps([make() for _, make in cell], step, FLAGS.repeats)
+      else:
+        times = [bm.time_step(make(), step, FLAGS.repeats) for _, make in cell]
+      for (r, _), t in zip(cell, times):
+        h, hf32 = r["hf_step_ms"], th.get("float32") if r["kv_format"] == "f32" else None
+        r.update({"step_ms": 1e3 * t, "tok_s": B / t,
+                  "over_floor": 1e3 * t / max(r["bandwidth_floor_ms"], r["compute_floor_ms"]),
+                  "over_hf": None if h is None else h / (1e3 * t),
+                  "over_hf_f32": None if hf32 is None else hf32 / t})
+        rows.append(r)
+        print(f"decode {r['attention']} {r['weights']} {r['dtype']} {r['kv_format']} batch {B} "
+              f"context {ctx}: {r['step_ms']:.1f} ms "
+              f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
+              file=sys.stderr, flush=True)
+  # the table by KV format, then context and batch, as the runs were once made
+  rows.sort(key=lambda r: FLAGS.kv_formats.index(r["kv_format"]))
 
   pre = []
   costs = ModelCosts(cfg, 4.0, "f32", ps)
