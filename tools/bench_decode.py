@@ -135,7 +135,8 @@ def main(argv):
     for B in batches:
       step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
       seqs = [(1, ctx)] * B
-      cell = []  # (row without its time, executor) of every KV format and variant
+      cell = []  # (row without its time, (params, kv_format, backend)) of every KV format
+      # and variant
       th, tl = {}, None
       for kv_format in FLAGS.kv_formats:
         costs = ModelCosts(cfg, 4.0, kv_format, ps)
@@ -170,15 +171,20 @@ def main(argv):
                "batch": B, "context": ctx, "bandwidth_floor_ms": 1e3 * bw_floor,
                "compute_floor_ms": 1e3 * c_floor, "hf_step_ms": None if h is None else 1e3 * h,
                "llama_cpp_step_ms": None if tl is None or kv_format != "f32" else 1e3 * tl}
-          cell.append((r, lambda wf=wf, dt=dt, backend=backend, kv_format=kv_format:
-                       JaxExecutor(cfg, params_of[wf, dt], num_pages=num_pages,
-                                   page_size=ps, kv_format=kv_format, backend=backend)))
+          cell.append((r, (params_of[wf, dt], kv_format, backend)))
+
+      def make(spec):
+        params, kv_format, backend = spec
+        return JaxExecutor(cfg, params, num_pages=num_pages, page_size=ps,
+                           kv_format=kv_format, backend=backend)
+
       if FLAGS.alternate:  # every row's executor at once, their steps in turn
-        times = bm.time_steps([make() for _, make in cell], step, FLAGS.repeats)
+        times = bm.time_steps([make(spec) for _, spec in cell], step, FLAGS.repeats)
       else:
-        times = [bm.time_step(make(), step, FLAGS.repeats) for _, make in cell]
+        times = [bm.time_step(make(spec), step, FLAGS.repeats) for _, spec in cell]
       for (r, _), t in zip(cell, times):
-        h, hf32 = r["hf_step_ms"], th.get("float32") if r["kv_format"] == "f32" else None
+        h = r["hf_step_ms"]
+        hf32 = th.get("float32") if r["kv_format"] == "f32" else None
         r.update({"step_ms": 1e3 * t, "tok_s": B / t,
                   "over_floor": 1e3 * t / max(r["bandwidth_floor_ms"], r["compute_floor_ms"]),
                   "over_hf": None if h is None else h / (1e3 * t),
