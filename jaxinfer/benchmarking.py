@@ -81,8 +81,8 @@ def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
   layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
   (bf16: float32 accumulation and result, as the model's dense_matmul). native=True: the
   rate of the native CPU matmul a CPU executor runs such weights on instead
-  (model.params.as_native: bf16 AMX tiles, f32 AVX-512 panels; x float32, the weight in
-  its packed layout); None (the default): native wherever `native_kernel` says the
+  (model.params.as_native: bf16 tiles on AMX / AVX512-BF16, f32 AVX-512 panels; x float32,
+  the weight in its packed layout); None (the default): native wherever `native_kernel` says the
   executor runs one. The compute floor of a step is its FLOPs over the rate of what runs
   it."""
   lm_rows = rows if lm_rows is None else lm_rows

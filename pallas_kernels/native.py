@@ -2,16 +2,16 @@
 
 Four custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
 `jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc), `jaxinfer_bf16_tile_matmul`
-(block_matmul/cpu_amx.cc, Intel AMX; `amx_available()` says whether this CPU and OS run it)
-and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512; `panels_available()`).
-The library is compiled on first use with the machine's C++ compiler into the cache
-(`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native), keyed by the sources and the
-header they share (native_items.h), the flags, the compiler and jax's version: one object
-per source, compiled in parallel (33 s of compiler time, 18-19 s of it cpu_decode.cc; 26 s
-on two cores), then linked and renamed into place atomically. A file lock makes
-concurrent processes (test workers, a server and its client) wait for one build instead
-of each running its own. Without a
-compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
+(block_matmul/cpu_tiles.cc, Intel AMX or AVX512-BF16; `tiles_engines()` says which this CPU
+and OS run) and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512;
+`panels_available()`). The library is compiled on first use with the machine's C++
+compiler into the cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native),
+keyed by the sources and the headers they share (native_items.h, kv_rows.h), the flags,
+the compiler and jax's version: one object per source, compiled in parallel (33 s of
+compiler time, 18-19 s of it cpu_decode.cc; 26 s on two cores), then linked and renamed
+into place atomically. A file lock makes concurrent processes (test workers, a server and
+its client) wait for one build instead of each running its own. Without a compiler, on a
+platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
 JAXINFER_NATIVE_DECODE=0), `available()` is False and callers keep their XLA-op paths
 (logged once).
 """
@@ -38,7 +38,7 @@ HEADERS = (os.path.join(_HERE, "native_items.h"),  # included by sources: part o
            os.path.join(_HERE, "paged_attention", "kv_rows.h"))
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_amx.cc"),
+           os.path.join(_HERE, "block_matmul", "cpu_tiles.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_panels.cc"))
 # custom-call target -> the handler symbol the library exports
 TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
@@ -149,34 +149,38 @@ def available() -> bool:
     return _state["ok"]
 
 
-def _cpu_feature(env: str, symbol: str) -> bool:
-  """The library is available, `env` is not "0" (read at each call: executors built after
-  it is set keep their XLA-dot layouts) and the library's `symbol()` says the CPU (and
-  OS) run that call; the answer is asked of the library once."""
+def _cpu_feature(env: str, symbol: str) -> int:
+  """0 if the library is unavailable or `env` is "0" (read at each call: executors built
+  after it is set keep their XLA-dot layouts), else what the library's `symbol()` says
+  the CPU (and OS) run (asked of the library once)."""
   if os.environ.get(env, "1") == "0" or not available():
-    return False
+    return 0
   with _lock:
     if symbol not in _state:
-      _state[symbol] = bool(getattr(_state["lib"], symbol)())
+      _state[symbol] = int(getattr(_state["lib"], symbol)())
     return _state[symbol]
 
 
-def amx_available() -> bool:
-  """Whether the bf16 tile matmul can run: the CPU has AMX-TILE and AMX-BF16, Linux
-  granted this process the tile state, and JAXINFER_AMX is not 0."""
-  return _cpu_feature("JAXINFER_AMX", "JaxinferAmxAvailable")
+def tiles_engines() -> tuple:
+  """The engines the bf16 tile matmul runs here: ("amx", "dot") where the CPU has AMX-TILE
+  and AMX-BF16 and Linux granted this process the tile state (AMX, and AVX512-BF16 dot
+  products for a few rows), ("dot",) where it has AVX512-BF16 only (AMD Zen 4, Intel
+  Cooper Lake), () otherwise or when JAXINFER_BF16_TILES is 0."""
+  mode = _cpu_feature("JAXINFER_BF16_TILES", "JaxinferTilesAvailable")
+  return tuple(name for bit, name in ((2, "amx"), (1, "dot")) if mode & bit)
 
 
 def panels_available() -> bool:
   """Whether the f32 panel matmul can run: the CPU has AVX-512F and JAXINFER_PANELS is
   not 0."""
-  return _cpu_feature("JAXINFER_PANELS", "JaxinferPanelsAvailable")
+  return bool(_cpu_feature("JAXINFER_PANELS", "JaxinferPanelsAvailable"))
 
 
-def stacked_call(target: str, x, w, layer, n: int):
+def stacked_call(target: str, x, w, layer, n: int, **attrs):
   """y [M, n] float32 = the custom call `target` of x [M, K] (as float32) and a stacked
-  (or single) packed weight w at `layer` (None: 0): the block_matmul layouts' door."""
+  (or single) packed weight w at `layer` (None: 0), with the call's attributes (numpy
+  scalars): the block_matmul layouts' door."""
   import jax.numpy as jnp
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
   layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-  return call(x.astype(jnp.float32), w, layer)
+  return call(x.astype(jnp.float32), w, layer, **attrs)

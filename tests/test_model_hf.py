@@ -145,9 +145,10 @@ def bf16_smollm2(smollm2):
 
 
 def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2, monkeypatch):
-  """dtype="bfloat16" on CPU: the executor holds the layer weights and the LM head in AMX
-  tiles read in place (params.as_native) where the CPU has AMX, else the stacked layer
-  weights as uint16 bit patterns (params.as_bit_patterns, also with JAXINFER_AMX=0); both
+  """dtype="bfloat16" on CPU: the executor holds the layer weights and the LM head in AMX's
+  tile layout read in place (params.as_native) where the CPU has AMX or AVX512-BF16, else
+  the stacked layer weights as uint16 bit patterns (params.as_bit_patterns, also with
+  JAXINFER_BF16_TILES=0); both
   run float32 activations with bf16 matmul inputs, and their logits stay within bf16
   rounding of HF's float32 ones and within summation order of each other."""
   import jax.numpy as jnp
@@ -160,7 +161,7 @@ def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2, monkeypatch):
     ref = hf_smollm2(torch.tensor([ids])).logits[0].float().numpy()
   layouts = {}
   for amx in ("1", "0"):
-    monkeypatch.setenv("JAXINFER_AMX", amx)
+    monkeypatch.setenv("JAXINFER_BF16_TILES", amx)
     p = JaxExecutor(m.cfg, m.params, num_pages=4, page_size=16).params
     if "blocks" in p:
       assert amx == "1" and tiles.available() and "wq" not in p["layers"]

@@ -1,7 +1,10 @@
 """The native CPU matmuls over weights packed for them, each against its jnp oracle and its
-layout against the weights it packs: bf16 on AMX tiles (pallas_kernels/block_matmul/
-tiles.py, cpu_amx.cc) and f32 in AVX-512 column panels (panels.py, cpu_panels.cc)."""
+layout against the weights it packs: bf16 in AMX's tile layout on AMX or AVX512-BF16
+(pallas_kernels/block_matmul/tiles.py, cpu_tiles.cc) and f32 in AVX-512 column panels
+(panels.py, cpu_panels.cc)."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +13,8 @@ import pytest
 
 from pallas_kernels.block_matmul import panels, tiles
 
-needs_amx = pytest.mark.skipif(not tiles.available() or jax.default_backend() != "cpu",
-                               reason="the tile matmul needs Intel AMX (AMX-TILE, AMX-BF16)")
+needs_tiles = pytest.mark.skipif(not tiles.available() or jax.default_backend() != "cpu",
+                                 reason="the tile matmul needs Intel AMX or AVX512-BF16")
 
 
 def _w(rng, *shape):
@@ -35,24 +38,27 @@ def test_unpackable_shapes_are_refused_by_name():
   assert not tiles.packable(jnp.zeros((64, 32), jnp.float32))
 
 
-@needs_amx
+@needs_tiles
 def test_matmul_matches_reference():
-  """Row counts of the dot-product path (1-4, where the CPU has AVX512-BF16) and around
-  the 16-row A tile (5, 16, 17, 40), column counts that leave 1-4 column blocks in the
-  last group of four (16 ... 80), K of one and of several 32-steps, a stacked layer read
-  by index, and an input that is not bf16-exact (rounded as XLA does)."""
+  """Each engine this CPU runs (the call's own choice, and the AVX512-BF16 dot products at
+  every row count where the CPU has them): row counts of the dot products' passes of six
+  (1-7, 13) and around the 16-row A tile (16, 17, 40), column counts that leave 1-4 column
+  blocks in the last group of four (16 ... 80), K of one and of several 32-steps, a
+  stacked layer read by index, and an input that is not bf16-exact (rounded as XLA does)."""
   rng = np.random.default_rng(1)
+  engines = [None] + (["dot"] if "dot" in tiles.engines() else [])
   for K, N in ((32, 16), (96, 48), (64, 80), (128, 64)):
     w = _w(rng, 3, K, N)
     t = tiles.pack(w)
-    f = jax.jit(tiles.matmul)
-    for M in (1, 2, 3, 4, 5, 16, 17, 40):
-      x = rng.standard_normal((M, K)).astype(np.float32)
-      for layer in (0, 2):
-        got = np.asarray(f(x, t, layer))
-        want = np.asarray(tiles.reference(x, t, layer))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4,
-                                   err_msg=f"K={K} N={N} M={M} layer={layer}")
+    for engine in engines:
+      f = jax.jit(functools.partial(tiles.matmul, engine=engine))
+      for M in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        for layer in (0, 2):
+          got = np.asarray(f(x, t, layer))
+          want = np.asarray(tiles.reference(x, t, layer))
+          np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4,
+                                     err_msg=f"{engine} K={K} N={N} M={M} layer={layer}")
   # one unstacked weight; x rounded to bf16 first: the same as rounding it by hand
   w = _w(rng, 64, 32)
   x = rng.standard_normal((3, 64)).astype(np.float32)
@@ -61,11 +67,13 @@ def test_matmul_matches_reference():
                              np.asarray(tiles.matmul(xb, tiles.pack(w))), rtol=0, atol=0)
 
 
-@needs_amx
+@needs_tiles
 def test_a_layer_outside_the_stack_fails_the_call():
   t = tiles.pack(_w(np.random.default_rng(2), 2, 32, 16))
   with pytest.raises(Exception, match="layer outside L"):
     np.asarray(tiles.matmul(np.ones((1, 32), np.float32), t, 2))
+  with pytest.raises(ValueError, match="engine must be None or 'dot'; got 'amx'"):
+    tiles.matmul(np.ones((1, 32), np.float32), t, 0, engine="amx")
 
 
 needs_avx512 = pytest.mark.skipif(not panels.available() or jax.default_backend() != "cpu",

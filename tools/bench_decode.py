@@ -103,16 +103,18 @@ def main(argv):
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   # dense rows: a CPU executor runs them on its native matmuls where it can
-  # (params.as_native): bf16 on AMX tiles, f32 in AVX-512 panels
-  amx = ("dense", "bfloat16") in variants and bm.native_kernel(cfg, jax.numpy.bfloat16) \
-      is not None
+  # (params.as_native): bf16 in AMX's tile layout (AMX or AVX512-BF16), f32 in AVX-512
+  # panels
+  tiles = bm.native_kernel(cfg, jax.numpy.bfloat16) if ("dense", "bfloat16") in variants \
+      else None
   pan = bm.native_kernel(cfg, jax.numpy.float32) is not None
   bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
         f"{','.join(FLAGS.attention)}" + ("; f32 weights in AVX-512 panels" if pan else "")
-        + ("; bf16 weights on AMX tiles" if amx else ""),
+        + (f"; bf16 weights in the tile layout ({'+'.join(tiles.engines())})" if tiles
+           else ""),
         flush=True)
   hf = bm.hf_model(m.source) if FLAGS.hf else None
   hf_of = {"float32": hf}
@@ -150,12 +152,13 @@ def main(argv):
                   # gguf: XLA's f32 rate at these shapes is no floor for the block call
                   ("gguf", "float32"): ((costs.step_bytes(seqs) - costs.d_w + block_bytes)
                                         / bw, costs.step_flops(seqs) / peak)}
-        if "bfloat16" in FLAGS.dtypes:  # the AMX tile call's rate where it runs the step,
+        if "bfloat16" in FLAGS.dtypes:  # the tile call's rate where it runs the step,
           # else XLA's at >= 16 rows (fewer are padded to 16)
-          r16 = B if amx else max(B, 16)
+          r16 = B if tiles else max(B, 16)
           bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
           floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
-                                         rate(r16, r16, "bfloat16", amx) + attn / peak)
+                                         rate(r16, r16, "bfloat16", tiles is not None)
+                                         + attn / peak)
         if kv_format == "f32":
           for dt, h in hf_of.items():
             if h is not None:
@@ -268,8 +271,8 @@ def main(argv):
 
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9, "bf16_on_amx": amx,
-           "f32_in_panels": pan,
+    out = {"bandwidth_gbs": bw / 1e9, "matmul_gflops_2048": peak / 1e9,
+           "bf16_tile_engines": list(tiles.engines()) if tiles else [], "f32_in_panels": pan,
            "attention": FLAGS.attention, "decode": rows, "prefill": pre, "skipped": skipped,
            "host_time": host}
     with open(os.path.join(FLAGS.output_dir, "bench_decode.json"), "w") as f:

@@ -32,8 +32,9 @@ flags.DEFINE_float("lr", 3e-3, "Adam learning rate")
 flags.DEFINE_integer("seed", 0, "seed")
 
 PROMPTS = ["Tell me about the ocean.", "Explain how a bicycle works.", "Write a recipe for soup.",
-           "Describe a city at night.", "What is photosynthesis?", "Give advice for a job interview.",
-           "Summarize the history of writing.", "Write a letter to a friend."]
+           "Describe a city at night.", "What is photosynthesis?",
+           "Give advice for a job interview.", "Summarize the history of writing.",
+           "Write a letter to a friend."]
 
 
 def _batch_inputs(B, T, page_size=16):

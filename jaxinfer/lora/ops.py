@@ -165,7 +165,7 @@ def project(x, p, name: str, lw, batch):
   """x @ p[name], plus the adapters' low-rank addition when this step carries LoRA
   (lw = (pool, layer index)). p["blocks"] = (the stacked native weights, layer index) when
   this step reads them: the GGUF file's own blocks (weight_format="gguf"), or bf16 / f32
-  weights in AMX tiles / AVX-512 panels (params.as_native); see transformer.py."""
+  weights in bf16 tiles / f32 AVX-512 panels (params.as_native); see transformer.py."""
   return project_group(x, p, (name,), None, lw, batch)[0]
 
 
@@ -191,7 +191,7 @@ def project_group(x, p, names, sizes, lw, batch):
 
 
 def stacked_matmul(x, w, layer=None):
-  """x @ layer `layer` of a stacked native weight (or of an unstacked one): AMX tiles
+  """x @ layer `layer` of a stacked native weight (or of an unstacked one): bf16 tiles
   ({"tiles"}), f32 panels ({"panels"}) or GGUF blocks ({"codes", "scales"})."""
   if "tiles" in w:
     from pallas_kernels.block_matmul import tiles

@@ -107,8 +107,8 @@ NATIVE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 def native_kernel(dtype):
   """(module, layout key) of the native CPU matmul that runs `dtype` weights on this CPU
-  (bf16: pallas_kernels.block_matmul.tiles on AMX, "tiles"; f32: .panels on AVX-512,
-  "panels"), or None: the one place that maps a dtype to its packed layout."""
+  (bf16: pallas_kernels.block_matmul.tiles on AMX or AVX512-BF16, "tiles"; f32: .panels
+  on AVX-512, "panels"), or None: the one place that maps a dtype to its packed layout."""
   from pallas_kernels.block_matmul import panels, tiles
   kernel, key = {jnp.dtype(jnp.bfloat16): (tiles, "tiles"),
                  jnp.dtype(jnp.float32): (panels, "panels")}.get(jnp.dtype(dtype), (None, None))
@@ -118,7 +118,8 @@ def native_kernel(dtype):
 def as_native(params):
   """Stacked layer weights and the LM head packed for the native CPU matmuls, read in
   place by layer index (no layer's slice is copied out of the stack, as XLA:CPU does for
-  its own dot): bf16 weights into Intel AMX tiles (pallas_kernels.block_matmul.tiles),
+  its own dot): bf16 weights into AMX's tile layout (pallas_kernels.block_matmul.tiles, run
+  on Intel AMX or AVX512-BF16),
   float32 ones into AVX-512 column panels (block_matmul.panels). The packed groups go to
   params["blocks"] (the place of the GGUF blocks; transformer.py reads either) and leave
   params["layers"], which keeps the norms. None when the weights are neither, a shape does

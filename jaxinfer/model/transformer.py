@@ -46,7 +46,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   lp = params["layers"]
   bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
                                       for a in jax.tree_util.tree_leaves(lp))
-  if bits or native_weights(params):  # bf16 weights as bit patterns or AMX tiles (CPU):
+  if bits or native_weights(params):  # bf16 weights as bit patterns or tiles (CPU):
     dtype = jnp.float32  # float32 activations (bf16 matmul inputs); f32 panels: float32
   x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
@@ -95,7 +95,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
 
 def native_weights(params) -> bool:
-  """Whether params["blocks"] holds the native CPU layouts of params.as_native (AMX tiles,
+  """Whether params["blocks"] holds the native CPU layouts of params.as_native (bf16 tiles,
   f32 panels) rather than GGUF blocks."""
   head = params.get("blocks", {}).get("lm_head") if isinstance(params, dict) else None
   return isinstance(head, dict) and ("tiles" in head or "panels" in head)

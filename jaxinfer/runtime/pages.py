@@ -249,7 +249,8 @@ class PageManager:
     for p in range(self.num_pages):
       assert self._refs[p] == counts.get(p, 0), (p, self._refs[p], counts.get(p, 0))
       states = (p in free) + (p in self._pending) + (self._refs[p] > 0)
-      assert states == 1, f"page {p} free={p in free} pending={p in self._pending} refs={self._refs[p]}"
+      assert states == 1, (f"page {p} free={p in free} pending={p in self._pending} "
+                           f"refs={self._refs[p]}")
       if p in free:
         assert self._last_read[p] <= self._completed_step, f"free page {p} still read in flight"
     assert self._reserved_total == sum(s.reserved for s in self._seqs.values())

@@ -1,31 +1,42 @@
-"""bfloat16 weight matmuls on Intel AMX, the weights held in the tile layout (cpu_amx.cc).
+"""bfloat16 weight matmuls on Intel AMX or AVX512-BF16, the weights held in AMX's tile
+layout (cpu_tiles.cc).
 
 XLA:CPU runs a bf16 x bf16 -> f32 dot on AMX too (lora.ops.dense_matmul), but a scanned
 model's layer weights reach it only as a slice copied out of the stacked array, every
 layer of every step (SmolLM2, bf16, batch 16: 18 ms of 58 per step), and fewer than 16
-rows take a slower path. Here the stacked weights are packed once into AMX's B-tile layout
-and read in place by layer index, like the GGUF blocks of `block_matmul`:
+rows take a slower path; on a CPU without AMX it converts bf16 to float32 element by element
+(SmolLM2, bf16, batch 1, AMD EPYC: 32 ms a step against 25 for f32 weights). Here the
+stacked weights are packed once into AMX's B-tile layout and read in place by layer
+index, like the GGUF blocks of `block_matmul`:
 
   pack(w [(L,) K, N] bf16)  -> tiles uint16 [(L,) N/16, K/2, 16, 2] (pairs of K per column)
   matmul(x [M, K], tiles, layer) = bf16(x) @ w, float32 accumulation and result
-                            (1-4 rows: AVX512-BF16 dot products over the same layout)
+                            (AMX tiles; AVX512-BF16 dot products over the same layout for
+                            1-4 rows, and for every call on CPUs without AMX)
   reference(...)            the jnp oracle (the same rounding of x, HIGHEST precision)
 
-Needs K % 32 == 0 and N % 16 == 0 (`packable`), and `available()`: the native library,
-AMX-TILE and AMX-BF16 in the CPU, and the OS's permission for the tile state.
+Needs K % 32 == 0 and N % 16 == 0 (`packable`), and `available()`: the native library and
+either AMX-TILE and AMX-BF16 with the OS's permission for the tile state, or AVX512-BF16
+(`engines()` says which).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import native
 
 TARGET = "jaxinfer_bf16_tile_matmul"
 
 
+def engines() -> tuple:
+  """("amx", "dot"), ("dot",) or (): see native.tiles_engines."""
+  return native.tiles_engines()
+
+
 def available() -> bool:
-  return native.amx_available()
+  return bool(engines())
 
 
 def packable(w) -> bool:
@@ -64,9 +75,17 @@ def reference(x, tiles, layer=None):
   return jnp.dot(xb, w, precision=jax.lax.Precision.HIGHEST)
 
 
-def matmul(x, tiles, layer=None):
-  """x [M, K] (any float) -> bf16(x) @ W [M, N] float32 by the native call (`available()`)."""
+def matmul(x, tiles, layer=None, engine=None):
+  """x [M, K] (any float) -> bf16(x) @ W [M, N] float32 by the native call (`available()`).
+  engine "dot" runs the AVX512-BF16 dot products at every row count (where `engines()` has
+  it); None lets the call choose (AMX for more than four rows where the CPU has it)."""
   if not available():
     raise RuntimeError("the bf16 tile matmul needs the native CPU library and Intel AMX "
-                       "(AMX-TILE, AMX-BF16) with the OS's permission; see the log")
-  return native.stacked_call(TARGET, x, tiles, layer, tiles.shape[-4] * 16)
+                       "(AMX-TILE, AMX-BF16, with the OS's permission) or AVX512-BF16; "
+                       "see the log")
+  if engine not in (None, "dot"):
+    raise ValueError(f"engine must be None or 'dot'; got {engine!r}")
+  if engine == "dot" and "dot" not in engines():
+    raise RuntimeError(f"engine 'dot' needs AVX512-BF16; this CPU runs {engines()}")
+  return native.stacked_call(TARGET, x, tiles, layer, tiles.shape[-4] * 16,
+                             dot_only=np.int32(engine == "dot"))

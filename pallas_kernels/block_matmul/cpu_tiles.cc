@@ -1,28 +1,34 @@
-// bfloat16 weight matmul on Intel AMX for XLA:CPU, as an XLA FFI custom call (see
-// block_matmul/tiles.py): y[M, N] = bf16(x)[M, K] . W[K, N], float32 accumulation, with W
-// held in AMX's own tile layout and read where it lies (a leading layer axis and a layer
-// operand, as cpu_matmul.cc: a scanned model never copies a layer's slice out).
+// bfloat16 weight matmul for XLA:CPU, as an XLA FFI custom call (see block_matmul/tiles.py):
+// y[M, N] = bf16(x)[M, K] . W[K, N], float32 accumulation, with W held in AMX's tile layout
+// and read where it lies (a leading layer axis and a layer operand, as cpu_matmul.cc: a
+// scanned model never copies a layer's slice out). Two engines run the same layout: Intel
+// AMX tiles, and AVX512-BF16 dot products (VDPBF16PS) where a CPU has those but no AMX
+// (AMD Zen 4, Intel Cooper Lake) and for calls of 1-4 rows on AMX machines.
 //
 // Tile layout of W [K, N] (tiles.pack): [N / 16, K / 2, 16, 2] bfloat16 bits, i.e. for each
 // block of 16 output columns, rows of 16 column pairs (k, k + 1): one 64-byte row of a B tile
-// per pair of K, so a B tile (16 rows: 32 values of K for 16 columns) is 1 KiB contiguous.
+// per pair of K, so a B tile (16 rows: 32 values of K for 16 columns) is 1 KiB contiguous,
+// and one such row is the second operand of one VDPBF16PS.
 //
-// x is rounded to bf16 (round to nearest even, as XLA's convert) into [ceil(M / 16) * 16, K]
-// with zero rows past M, once per call. Work items are groups of up to four column blocks
-// (64 columns); per item, each 16-row block of x runs K in steps of 32: one A tile, then a
-// B tile and a TDPBF16PS per column block into four C tiles. Items are shared by the caller
-// and tasks on XLA's intra-op pool (as cpu_matmul.cc); each thread loads its tile
-// configuration once per call and releases it at the end. Calls of 1-4 rows take an
-// AVX512-BF16 dot-product path over the same layout instead (DotTile, where the CPU has it).
+// x is rounded to bf16 (round to nearest even, as XLA's convert) once per call (AMX: into
+// [ceil(M / 16) * 16, K] with zero rows past M). Work items are groups of up to four column
+// blocks (64 columns), shared by the caller and tasks on XLA's intra-op pool (as
+// cpu_matmul.cc). AMX: per item, each 16-row block of x runs K in steps of 32: one A tile,
+// then a B tile and a TDPBF16PS per column block into four C tiles; each thread loads its
+// tile configuration once per call and releases it at the end. Dot products: per item, x
+// rows in passes of up to six, each pair of K loading the group's four W rows once for six
+// broadcast pairs of x (24 accumulators + 4 + 1 of the 32 zmm registers), as the f32 panel
+// matmul (cpu_panels.cc) does with FMAs. Both engines flush bf16 subnormals to zero (the
+// instructions' own rule).
 //
 // AMX needs the CPU's AMX-TILE and AMX-BF16 (cpuid) and Linux's permission for the tile
-// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked for once): JaxinferAmxAvailable() reports
-// both, and tiles.py keeps XLA's matmul where it says no.
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked for once); the dot products need
+// AVX512-BF16. JaxinferTilesAvailable() reports them as bits (2: AMX, 1: dot products), and
+// tiles.py keeps XLA's matmul where it says 0.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -50,7 +56,8 @@ constexpr int64_t kCols = 16;        // output columns per block (a C tile's wid
 constexpr int64_t kKStep = 32;       // K per tile step (a row of A: 32 bf16 = 64 bytes)
 constexpr int64_t kGroup = 4;        // column blocks per work item (four C tiles)
 constexpr int64_t kMinParallelItems = 4;
-constexpr int64_t kMaxDotRows = 4;   // up to this many rows: the AVX512-BF16 dot path
+constexpr int64_t kMaxDotRows = 4;   // up to this many rows on AMX machines: dot products
+constexpr int kDotRows = 6;          // x rows per pass of the dot-product engine
 
 #ifdef JX_HAVE_AMX
 bool AskAmx() {
@@ -140,58 +147,86 @@ JX_AMX void Tile(const Args& a, int64_t m0, int64_t j0, float* tmp) {
     std::memcpy(out + r * a.N, tmp + r * kGroup * kCols, NB * kCols * 4);
 }
 
-// The dot-product path for a few rows (decode at small batches): a 16-row A tile would
-// carry M of 16 rows, and the B tiles' stream ran at 11-15 GB/s (bf16 SmolLM2 at batch 1:
-// 24 ms of weight matmuls a step for 270 MB). Here each 64-byte row of a column block (16
-// columns, a pair of K each) meets the row's pair of x in one VDPBF16PS; the NB blocks'
-// accumulators per row are independent chains, and the weights stream once per call.
-// Steps alternated with the tile path inside one process (30 each, 2026-12-02): batch 1
-// medians 21.6 -> 18.8 and 20.8 -> 17.0 ms, batch 4 21.4 -> 20.4 and 21.5 -> 20.6 ms.
-template <int M, int NB>
-JX_BF16DOT void DotTile(const Args& a, int64_t j0) {
+// The dot-product engine. On AMX machines it takes calls of up to kMaxDotRows rows (decode
+// at small batches): a 16-row A tile would carry M of 16 rows, and the B tiles' stream ran
+// at 11-15 GB/s (bf16 SmolLM2 at batch 1: 24 ms of weight matmuls a step for 270 MB). Steps
+// alternated with the tile path inside one process (30 each, 2026-12-02): batch 1 medians
+// 21.6 -> 18.8 and 20.8 -> 17.0 ms, batch 4 21.4 -> 20.4 and 21.5 -> 20.6 ms. Elsewhere it
+// takes every call. Each 64-byte row of a column block (16 columns, a pair of K each) meets
+// a row's pair of x in one VDPBF16PS; the MR x NB accumulators are independent chains.
+template <int MR, int NB>
+JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0) {
   const int64_t half = a.K / 2, blk = half * 32;
   const uint16_t* w0 = a.w + j0 * blk;
-  __m512 acc[M][NB];
-  const uint32_t* xp[M];
-  for (int m = 0; m < M; ++m) {
-    xp[m] = reinterpret_cast<const uint32_t*>(a.xb + m * a.K);
+  __m512 acc[MR][NB];
+  const uint32_t* xp[MR];
+  for (int m = 0; m < MR; ++m) {
+    xp[m] = reinterpret_cast<const uint32_t*>(a.xb + (m0 + m) * a.K);
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < half; ++p) {
     __m512i b[NB];
     for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(w0 + j * blk + p * 32);
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < MR; ++m) {
       const __m512i xa = _mm512_set1_epi32(static_cast<int>(xp[m][p]));
       for (int j = 0; j < NB; ++j)
         acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xa, (__m512bh)b[j]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(a.y + m * a.N + (j0 + j) * kCols, acc[m][j]);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
-template <int M>
-JX_BF16DOT void DotItem(const Args& a, int64_t j0, int64_t nb) {
-  switch (nb) {
-    case 1: DotTile<M, 1>(a, j0); break;
-    case 2: DotTile<M, 2>(a, j0); break;
-    case 3: DotTile<M, 3>(a, j0); break;
-    default: DotTile<M, 4>(a, j0); break;
+template <int NB>
+JX_BF16DOT void DotPasses(const Args& a, int64_t j0) {
+  int64_t m = 0;
+  for (; m + kDotRows <= a.M; m += kDotRows) DotPass<kDotRows, NB>(a, m, j0);
+  switch (a.M - m) {
+    case 1: DotPass<1, NB>(a, m, j0); break;
+    case 2: DotPass<2, NB>(a, m, j0); break;
+    case 3: DotPass<3, NB>(a, m, j0); break;
+    case 4: DotPass<4, NB>(a, m, j0); break;
+    case 5: DotPass<5, NB>(a, m, j0); break;
+    default: break;
   }
 }
 
-JX_AMX void Item(const Args& a, int64_t item, float* tmp) {
+// A thread's state across the items it takes: the AMX engine's scratch block and whether
+// this thread loaded its tile configuration.
+struct Scratch {
+  alignas(64) float tmp[16 * kGroup * kCols];
+  bool configured = false;
+};
+
+JX_BF16DOT void DotItem(const Args& a, int64_t item, Scratch*) {
+  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+  switch (blocks - j0 < kGroup ? blocks - j0 : kGroup) {
+    case 1: DotPasses<1>(a, j0); break;
+    case 2: DotPasses<2>(a, j0); break;
+    case 3: DotPasses<3>(a, j0); break;
+    default: DotPasses<4>(a, j0); break;
+  }
+}
+
+JX_AMX void TileItem(const Args& a, int64_t item, Scratch* s) {
+  if (!s->configured) {
+    Configure();
+    s->configured = true;
+  }
   const int64_t j0 = item * kGroup, blocks = a.N / kCols;
   const int64_t nb = blocks - j0 < kGroup ? blocks - j0 : kGroup;
   for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
     switch (nb) {
-      case 1: Tile<1>(a, m0, j0, tmp); break;
-      case 2: Tile<2>(a, m0, j0, tmp); break;
-      case 3: Tile<3>(a, m0, j0, tmp); break;
-      default: Tile<4>(a, m0, j0, tmp); break;
+      case 1: Tile<1>(a, m0, j0, s->tmp); break;
+      case 2: Tile<2>(a, m0, j0, s->tmp); break;
+      case 3: Tile<3>(a, m0, j0, s->tmp); break;
+      default: Tile<4>(a, m0, j0, s->tmp); break;
     }
   }
 }
+
+JX_AMX void ReleaseTiles() { _tile_release(); }
 
 struct Shared {
   Args args;
@@ -199,37 +234,17 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-JX_AMX void Drain(Shared* sh) {
-  alignas(64) float tmp[16 * kGroup * kCols];
-  bool configured = false;
+// Takes items until none are left, with either engine's item function.
+template <void (*ItemFn)(const Args&, int64_t, Scratch*)>
+void Drain(Shared* sh) {
+  Scratch s;
   for (;;) {
     const int64_t i = sh->next.fetch_add(1);
     if (i >= sh->args.items) break;
-    if (!configured) {
-      Configure();
-      configured = true;
-    }
-    Item(sh->args, i, tmp);
+    ItemFn(sh->args, i, &s);
     sh->done.fetch_add(1, std::memory_order_release);
   }
-  if (configured) _tile_release();
-}
-
-JX_BF16DOT void DotDrain(Shared* sh) {
-  const Args& a = sh->args;
-  const int64_t blocks = a.N / kCols;
-  for (;;) {
-    const int64_t i = sh->next.fetch_add(1);
-    if (i >= a.items) break;
-    const int64_t j0 = i * kGroup, nb = blocks - j0 < kGroup ? blocks - j0 : kGroup;
-    switch (a.M) {
-      case 1: DotItem<1>(a, j0, nb); break;
-      case 2: DotItem<2>(a, j0, nb); break;
-      case 3: DotItem<3>(a, j0, nb); break;
-      default: DotItem<4>(a, j0, nb); break;
-    }
-    sh->done.fetch_add(1, std::memory_order_release);
-  }
+  if (s.configured) ReleaseTiles();
 }
 
 // float32 -> bfloat16 bits, round to nearest even (NaN kept a quiet NaN), as XLA converts.
@@ -242,10 +257,18 @@ inline uint16_t ToBf16(float f) {
 }
 #endif  // JX_HAVE_AMX
 
-ffi::Error AmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
-                   ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+// dot_only: 1 runs the dot-product engine at every row count (tiles.matmul(engine="dot"):
+// the tests reach it on AMX machines too); 0 chooses as the header says.
+ffi::Error TilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                     int32_t dot_only) {
 #ifdef JX_HAVE_AMX
-  if (!kAmx) return ffi::Error::Internal("bf16 tile matmul: this CPU or OS offers no AMX");
+  if (!kAmx && !kBf16Dot)
+    return ffi::Error::Internal("bf16 tile matmul: this CPU has neither AMX (with the OS's "
+                               "permission) nor AVX512-BF16");
+  if (dot_only && !kBf16Dot)
+    return ffi::Error::Internal("bf16 tile matmul: dot products asked for, and this CPU has "
+                               "no AVX512-BF16");
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 4 && wd.size() != 5) || wd[wd.size() - 1] != 2 ||
@@ -267,38 +290,41 @@ ffi::Error AmxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
   a.w = w.typed_data() + l * blocks * half * 32;
   a.y = y->typed_data();
-  const bool dot = kBf16Dot && a.M <= kMaxDotRows;
+  const bool dot = kBf16Dot && (dot_only || !kAmx || a.M <= kMaxDotRows);
   a.Mp = dot ? a.M : (a.M + 15) / 16 * 16;
   std::vector<uint16_t> xb(a.Mp * a.K, 0);
   const float* xf = x.typed_data();
   for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
   a.xb = xb.data();
   a.items = (blocks + kGroup - 1) / kGroup;
+  const bool parallel = a.items >= kMinParallelItems;
   if (dot)
-    jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, DotDrain);
+    jaxinfer::RunItems(pool, sh, a.items, parallel, Drain<DotItem>);
   else
-    jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, Drain);
+    jaxinfer::RunItems(pool, sh, a.items, parallel, Drain<TileItem>);
   return ffi::Error::Success();
 #else
-  return ffi::Error::Internal("bf16 tile matmul: built without AMX support (x86-64 Linux)");
+  return ffi::Error::Internal("bf16 tile matmul: built without AMX / AVX512-BF16 support "
+                              "(x86-64 Linux, GCC 11 or Clang 12)");
 #endif
 }
 
 }  // namespace
 
-extern "C" int JaxinferAmxAvailable() {
+extern "C" int JaxinferTilesAvailable() {
 #ifdef JX_HAVE_AMX
-  return kAmx ? 1 : 0;
+  return (kAmx ? 2 : 0) | (kBf16Dot ? 1 : 0);
 #else
   return 0;
 #endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxinferBf16TileMatmul, AmxImpl,
+    JaxinferBf16TileMatmul, TilesImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::ThreadPool>()
         .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
         .Arg<ffi::Buffer<ffi::U16>>()   // w [(L,) N/16, K/2, 16, 2] bf16 bits
         .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-        .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+        .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+        .Attr<int32_t>("dot_only"));
