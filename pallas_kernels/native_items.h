@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -25,6 +26,24 @@ void RunItems(xla::ffi::ThreadPool& pool, const std::shared_ptr<Shared>& sh, int
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh, drain] { drain(sh.get()); });
   drain(sh.get());
   while (sh->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+// Calls pass(std::integral_constant<int, MR>{}, m0) over rows [0, M) in passes of six rows,
+// then one pass of the 1-5 left: a register-blocked kernel's row loop with MR known at
+// compile time (cpu_panels.cc, cpu_tiles.cc: six rows x four column blocks of
+// accumulators).
+template <typename Pass>
+inline void SixRowPasses(int64_t M, Pass pass) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) pass(std::integral_constant<int, 6>{}, m);
+  switch (M - m) {
+    case 1: pass(std::integral_constant<int, 1>{}, m); break;
+    case 2: pass(std::integral_constant<int, 2>{}, m); break;
+    case 3: pass(std::integral_constant<int, 3>{}, m); break;
+    case 4: pass(std::integral_constant<int, 4>{}, m); break;
+    case 5: pass(std::integral_constant<int, 5>{}, m); break;
+    default: break;
+  }
 }
 
 }  // namespace jaxinfer

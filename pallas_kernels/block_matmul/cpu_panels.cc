@@ -31,7 +31,6 @@ namespace {
 
 constexpr int64_t kCols = 16;   // a panel's width: one zmm of float32
 constexpr int64_t kGroup = 4;   // panels per work item
-constexpr int64_t kRows = 6;    // x rows per pass
 constexpr int64_t kMinParallelItems = 4;
 
 #ifdef JX_HAVE_512
@@ -66,17 +65,8 @@ JX_512 void Pass(const Args& a, int64_t m0, int64_t j0) {
 }
 
 template <int NB>
-JX_512 void Passes(const Args& a, int64_t j0) {
-  int64_t m = 0;
-  for (; m + kRows <= a.M; m += kRows) Pass<kRows, NB>(a, m, j0);
-  switch (a.M - m) {
-    case 1: Pass<1, NB>(a, m, j0); break;
-    case 2: Pass<2, NB>(a, m, j0); break;
-    case 3: Pass<3, NB>(a, m, j0); break;
-    case 4: Pass<4, NB>(a, m, j0); break;
-    case 5: Pass<5, NB>(a, m, j0); break;
-    default: break;
-  }
+void Passes(const Args& a, int64_t j0) {
+  jaxinfer::SixRowPasses(a.M, [&](auto mr, int64_t m) { Pass<mr.value, NB>(a, m, j0); });
 }
 
 JX_512 void Item(const Args& a, int64_t item) {

@@ -57,7 +57,6 @@ constexpr int64_t kKStep = 32;       // K per tile step (a row of A: 32 bf16 = 6
 constexpr int64_t kGroup = 4;        // column blocks per work item (four C tiles)
 constexpr int64_t kMinParallelItems = 4;
 constexpr int64_t kMaxDotRows = 4;   // up to this many rows on AMX machines: dot products
-constexpr int kDotRows = 6;          // x rows per pass of the dot-product engine
 
 #ifdef JX_HAVE_AMX
 bool AskAmx() {
@@ -179,17 +178,8 @@ JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0) {
 }
 
 template <int NB>
-JX_BF16DOT void DotPasses(const Args& a, int64_t j0) {
-  int64_t m = 0;
-  for (; m + kDotRows <= a.M; m += kDotRows) DotPass<kDotRows, NB>(a, m, j0);
-  switch (a.M - m) {
-    case 1: DotPass<1, NB>(a, m, j0); break;
-    case 2: DotPass<2, NB>(a, m, j0); break;
-    case 3: DotPass<3, NB>(a, m, j0); break;
-    case 4: DotPass<4, NB>(a, m, j0); break;
-    case 5: DotPass<5, NB>(a, m, j0); break;
-    default: break;
-  }
+void DotPasses(const Args& a, int64_t j0) {
+  jaxinfer::SixRowPasses(a.M, [&](auto mr, int64_t m) { DotPass<mr.value, NB>(a, m, j0); });
 }
 
 // A thread's state across the items it takes: the AMX engine's scratch block and whether
