@@ -170,7 +170,10 @@ def tiles_engines() -> tuple:
   """The engines the bf16 tile matmul runs here: ("amx", "dot") where the CPU has AMX-TILE
   and AMX-BF16 and Linux granted this process the tile state (AMX, and AVX512-BF16 dot
   products for a few rows), ("dot",) where it has AVX512-BF16 only (AMD Zen 4, Intel
-  Cooper Lake), () otherwise or when JAXINFER_BF16_TILES is 0."""
+  Cooper Lake), () otherwise or when JAXINFER_BF16_TILES (or its older name JAXINFER_AMX)
+  is 0."""
+  if os.environ.get("JAXINFER_AMX") == "0":
+    return ()
   mode = _cpu_feature("JAXINFER_BF16_TILES", "JaxinferTilesAvailable")
   return tuple(name for bit, name in ((2, "amx"), (1, "dot")) if mode & bit)
 
