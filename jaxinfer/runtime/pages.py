@@ -8,11 +8,22 @@ filled tail page first copies it (copy-on-write); full shared pages stay shared.
 
 Failures (not enough pages) are returned as values for the scheduler to act on
 (wait, preempt); programming errors raise.
+
+Which free page a sequence gets: the one after its last page when that is free, else the
+lowest-numbered free page. A sequence's pages then lie in runs, which the CPU decode call
+reads as streams: over pages in order it ran 1.8x faster than over shuffled ones (batch
+16, context 4096). A first-in-first-out free list (the policy before) left a long-running
+pool's tables shuffled: in a simulated run of 300 requests (prompts of 200-3000 tokens,
+16 running) the share of a running table's neighbouring pages that were consecutive fell
+from 0.95 to 0.06-0.14 late in the run (median 0.35); with this policy, the same run (the
+same scheduling decisions, step for step) ends at 0.32-0.47 (median 0.50). Decode growth
+still interleaves: the page after a sequence's last one is often another's by then.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from jaxinfer.runtime.accounting import pages_for
@@ -36,7 +47,9 @@ class PageManager:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
     self.num_pages = num_pages
     self.page_size = page_size
-    self._free = collections.deque(range(num_pages))
+    self._free = set(range(num_pages))
+    self._free_heap = list(range(num_pages))  # candidates for the lowest free page: may
+    # hold pages since taken (skipped when popped), never misses a free one
     self._refs = [0] * num_pages
     self._last_read = [-1] * num_pages  # step number of the last launched step reading it
     self._pending: Dict[int, int] = {}  # page -> step that must complete before reuse
@@ -137,13 +150,13 @@ class PageManager:
     copies: List[Copy] = []
     if cow:
       old = s.pages[tail]
-      new = self._take()
+      new = self._take(s.pages[tail - 1] if tail > 0 else None)
       s.pages[tail] = new
       self._decref(old)
       copies.append((old, new))
       self.num_cow_copies += 1
     for _ in range(new_pages):
-      s.pages.append(self._take())
+      s.pages.append(self._take(s.pages[-1] if s.pages else None))
     s.num_tokens = new_num_tokens
     return copies
 
@@ -185,7 +198,9 @@ class PageManager:
     """n fresh pages owned by the caller (refcount 1), e.g. the host tier's fetch target."""
     if n > self.num_available:
       return None
-    out = [self._take() for _ in range(n)]
+    out = []
+    for _ in range(n):
+      out.append(self._take(out[-1] if out else None))
     return out
 
   # --- steps: deferred release ---------------------------------------------------------
@@ -208,15 +223,22 @@ class PageManager:
     ready = [p for p, s in self._pending.items() if s <= self._completed_step]
     for p in sorted(ready):
       del self._pending[p]
-      self._free.append(p)
+      self._release(p)
 
   @property
   def completed_step(self) -> int:
     return self._completed_step
 
   # --- internals ----------------------------------------------------------------------
-  def _take(self) -> int:
-    p = self._free.popleft()
+  def _take(self, after: Optional[int] = None) -> int:
+    """A free page: `after + 1` when that one is free, else the lowest free one."""
+    if after is not None and after + 1 in self._free:
+      p = after + 1
+    else:
+      p = heapq.heappop(self._free_heap)
+      while p not in self._free:
+        p = heapq.heappop(self._free_heap)
+    self._free.remove(p)
     assert self._refs[p] == 0, (p, self._refs[p])
     self._refs[p] = 1
     return p
@@ -232,7 +254,13 @@ class PageManager:
       if self._last_read[p] > self._completed_step:
         self._pending[p] = self._last_read[p]
       else:
-        self._free.append(p)
+        self._release(p)
+
+  def _release(self, p: int) -> None:
+    self._free.add(p)
+    heapq.heappush(self._free_heap, p)
+    if len(self._free_heap) > 2 * self.num_pages + 64:  # drop the stale candidates
+      self._free_heap = sorted(self._free)
 
   def check_invariants(self, extra_refs: Optional[Dict[int, int]] = None) -> None:
     """refcount == page-table references + others' (cache) references; every page is
@@ -244,8 +272,8 @@ class PageManager:
       assert s.reserved >= 0
     for p, n in (extra_refs or {}).items():
       counts[p] += n
-    free = set(self._free)
-    assert len(free) == len(self._free), "a page is on the free list twice"
+    free = self._free
+    assert free <= set(self._free_heap), "a free page is missing from the heap"
     for p in range(self.num_pages):
       assert self._refs[p] == counts.get(p, 0), (p, self._refs[p], counts.get(p, 0))
       states = (p in free) + (p in self._pending) + (self._refs[p] > 0)
