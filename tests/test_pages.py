@@ -6,6 +6,25 @@ from hypothesis import strategies as st
 from jaxinfer.runtime.pages import PageManager
 
 
+def test_a_sequence_gets_the_page_after_its_last_one_else_the_lowest_free():
+  """Runs of consecutive pages (the CPU decode call reads them as streams): after frees, a
+  new sequence starts at the lowest free page and continues with the next; a growing one
+  takes the page after its last when that is free. A first-in-first-out list gave d the
+  pages never used yet (12, 13)."""
+  pm = PageManager(16, 4)
+  for s in "abc":
+    assert pm.add_sequence(s) and pm.grow(s, 16) == []
+  assert [pm.page_table(s) for s in "abc"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+  pm.free("c")
+  pm.free("a")
+  assert pm.add_sequence("d") and pm.grow("d", 8) == []
+  assert pm.page_table("d") == [0, 1]
+  assert pm.grow("b", 20) == [] and pm.page_table("b")[-1] == 8  # after 7
+  assert pm.grow("d", 12) == [] and pm.page_table("d") == [0, 1, 2]
+  assert pm.grow("b", 24) == [] and pm.page_table("b")[-1] == 9
+  pm.check_invariants()
+
+
 def test_allocate_grow_free():
   pm = PageManager(8, 4)
   assert pm.add_sequence("a", reserve_tokens=9)  # 3 pages reserved
