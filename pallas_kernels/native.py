@@ -154,11 +154,11 @@ def available() -> bool:
     return _state["ok"]
 
 
-def _cpu_feature(env: str, symbol: str) -> int:
-  """0 if the library is unavailable or `env` is "0" (read at each call: executors built
-  after it is set keep their XLA-dot layouts), else what the library's `symbol()` says
-  the CPU (and OS) run (asked of the library once)."""
-  if os.environ.get(env, "1") == "0" or not available():
+def _cpu_feature(symbol: str, *envs: str) -> int:
+  """0 if the library is unavailable or any of `envs` is "0" (read at each call: executors
+  built after it is set keep their XLA-dot layouts), else what the library's `symbol()`
+  says the CPU (and OS) run (asked of the library once)."""
+  if any(os.environ.get(env, "1") == "0" for env in envs) or not available():
     return 0
   with _lock:
     if symbol not in _state:
@@ -172,16 +172,14 @@ def tiles_engines() -> tuple:
   products for a few rows), ("dot",) where it has AVX512-BF16 only (AMD Zen 4, Intel
   Cooper Lake), () otherwise or when JAXINFER_BF16_TILES (or its older name JAXINFER_AMX)
   is 0."""
-  if os.environ.get("JAXINFER_AMX") == "0":
-    return ()
-  mode = _cpu_feature("JAXINFER_BF16_TILES", "JaxinferTilesAvailable")
+  mode = _cpu_feature("JaxinferTilesAvailable", "JAXINFER_BF16_TILES", "JAXINFER_AMX")
   return tuple(name for bit, name in ((2, "amx"), (1, "dot")) if mode & bit)
 
 
 def panels_available() -> bool:
   """Whether the f32 panel matmul can run: the CPU has AVX-512F and JAXINFER_PANELS is
   not 0."""
-  return bool(_cpu_feature("JAXINFER_PANELS", "JaxinferPanelsAvailable"))
+  return bool(_cpu_feature("JaxinferPanelsAvailable", "JAXINFER_PANELS"))
 
 
 def stacked_call(target: str, x, w, layer, n: int, **attrs):

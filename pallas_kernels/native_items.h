@@ -1,5 +1,5 @@
 // Work items shared by the calling thread and tasks on XLA's intra-op thread pool, for the
-// native CPU calls built by pallas_kernels/native.py (cpu_amx.cc, cpu_panels.cc,
+// native CPU calls built by pallas_kernels/native.py (cpu_tiles.cc, cpu_panels.cc,
 // cpu_decode.cc).
 #ifndef JAXINFER_NATIVE_ITEMS_H_
 #define JAXINFER_NATIVE_ITEMS_H_

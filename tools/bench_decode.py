@@ -186,11 +186,11 @@ def main(argv):
       else:
         times = [bm.time_step(make(spec), step, FLAGS.repeats) for _, spec in cell]
       for (r, _), t in zip(cell, times):
-        h = r["hf_step_ms"]
-        hf32 = th.get("float32") if r["kv_format"] == "f32" else None
+        f32_kv = r["kv_format"] == "f32"  # HF runs f32 KV: its rows only
+        h, hf32 = (th.get(r["dtype"]), th.get("float32")) if f32_kv else (None, None)
         r.update({"step_ms": 1e3 * t, "tok_s": B / t,
                   "over_floor": 1e3 * t / max(r["bandwidth_floor_ms"], r["compute_floor_ms"]),
-                  "over_hf": None if h is None else h / (1e3 * t),
+                  "over_hf": None if h is None else h / t,
                   "over_hf_f32": None if hf32 is None else hf32 / t})
         rows.append(r)
         print(f"decode {r['attention']} {r['weights']} {r['dtype']} {r['kv_format']} batch {B} "

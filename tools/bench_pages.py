@@ -59,6 +59,8 @@ def contiguity(requests: int, page_size: int, seed: int = 0) -> list:
 
 def main(argv):
   del argv
+  if FLAGS.churn_requests < 0:
+    raise app.UsageError(f"--churn_requests must be >= 0, got {FLAGS.churn_requests}")
   ps, L = FLAGS.page_size, FLAGS.seq_tokens
   pm = PageManager(FLAGS.num_pages, ps)
   n_seqs = FLAGS.num_pages // (L // ps) - 1
@@ -108,10 +110,11 @@ def main(argv):
   if FLAGS.churn_requests:
     shares = contiguity(FLAGS.churn_requests, ps)
     tail = shares[-max(1, len(shares) // 10):]
+    stat = lambda f, xs: round(float(f(xs)), 3) if xs else None  # noqa: E731 (null: a run
+    # of fewer than 100 steps took no sample)
     out["contiguity"] = {"requests": FLAGS.churn_requests, "samples": len(shares),
-                         "first": round(shares[0], 3),
-                         "median": round(float(np.median(shares)), 3),
-                         "last_tenth": round(float(np.mean(tail)), 3)}
+                         "first": stat(lambda xs: xs[0], shares),
+                         "median": stat(np.median, shares), "last_tenth": stat(np.mean, tail)}
   print(strict_json.dumps(out, indent=None if FLAGS.json else 1))
 
 

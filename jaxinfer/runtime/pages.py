@@ -13,11 +13,12 @@ Which free page a sequence gets: the one after its last page when that is free, 
 lowest-numbered free page. A sequence's pages then lie in runs, which the CPU decode call
 reads as streams: over pages in order it ran 1.8x faster than over shuffled ones (batch
 16, context 4096). A first-in-first-out free list (the policy before) left a long-running
-pool's tables shuffled: in a simulated run of 300 requests (prompts of 200-3000 tokens,
-16 running) the share of a running table's neighbouring pages that were consecutive fell
-from 0.95 to 0.06-0.14 late in the run (median 0.35); with this policy, the same run (the
-same scheduling decisions, step for step) ends at 0.32-0.47 (median 0.50). Decode growth
-still interleaves: the page after a sequence's last one is often another's by then.
+pool's tables shuffled: in a simulated run of 300 requests (`tools/bench_pages.py
+--churn_requests=300`: prompts of 200-3000 tokens, 16 running) the share of a running
+table's neighbouring pages that were consecutive fell from 0.95 to 0.10 over the run's
+last tenth (median 0.33); with this policy, the same run (the same scheduling decisions,
+step for step) keeps 0.46 there (median 0.48). Decode growth still interleaves: the page
+after a sequence's last one is often another's by then.
 """
 from __future__ import annotations
 

@@ -25,11 +25,11 @@
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked for once); the dot products need
 // AVX512-BF16. JaxinferTilesAvailable() reports them as bits (2: AMX, 1: dot products), and
 // tiles.py keeps XLA's matmul where it says 0.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "native_items.h"
@@ -282,10 +282,12 @@ ffi::Error TilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   a.y = y->typed_data();
   const bool dot = kBf16Dot && (dot_only || !kAmx || a.M <= kMaxDotRows);
   a.Mp = dot ? a.M : (a.M + 15) / 16 * 16;
-  std::vector<uint16_t> xb(a.Mp * a.K, 0);
+  // every element written once: x's rows rounded, then zeros in the rows AMX pads to 16
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[a.Mp * a.K]);
   const float* xf = x.typed_data();
   for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
-  a.xb = xb.data();
+  std::fill(xb.get() + a.M * a.K, xb.get() + a.Mp * a.K, uint16_t{0});
+  a.xb = xb.get();
   a.items = (blocks + kGroup - 1) / kGroup;
   const bool parallel = a.items >= kMinParallelItems;
   if (dot)
