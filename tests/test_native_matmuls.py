@@ -122,6 +122,35 @@ def test_panels_matmul_matches_reference():
 
 
 @needs_avx512
+def test_calls_from_two_threads_at_once_agree_with_one_at_a_time():
+  """Two Python threads run native calls at once: one takes the library's spinning helpers,
+  the other finds them busy and hands its items to XLA's pool (native_items.h); every
+  result equals the same call made alone, bit for bit (each item's sums run in one fixed
+  order, whichever thread takes it)."""
+  import threading
+  rng = np.random.default_rng(6)
+  p = panels.pack(jnp.asarray(rng.standard_normal((2, 576, 576)).astype(np.float32)))
+  f = jax.jit(lambda x, layer: panels.matmul(panels.matmul(x, p, layer), p, 1 - layer))
+  xs = [rng.standard_normal((M, 576)).astype(np.float32) for M in (1, 3, 8)]
+  want = [[np.asarray(f(x, layer)) for layer in (0, 1)] for x in xs]
+  bad = []
+
+  def work(seed):
+    for i in range(60):
+      j, layer = (seed + i) % len(xs), (seed + i) % 2
+      got = np.asarray(f(xs[j], layer))
+      if not np.array_equal(got, want[j][layer]):
+        bad.append((seed, i))
+
+  threads = [threading.Thread(target=work, args=(s,)) for s in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads) and not bad
+
+
+@needs_avx512
 def test_cpu_layout_is_shared_only_for_the_same_weights_and_freed_with_them():
   """Executors built on the same params share one packing; a tree that shares `wq` but not
   its other weights gets its own (it once got the first tree's embedding); the kept layout

@@ -11,7 +11,7 @@
 // only the order of the sums differs from a float32 matmul.
 //
 // Work items are (block of up to 32 x rows, 32 weight rows), taken from a shared counter
-// by the caller and by tasks on XLA's intra-op pool (as in cpu_decode.cc). Paths, chosen
+// by the caller and helpers (native_items.h's RunItems). Paths, chosen
 // per item: on AVX-512 (checked at run time) up to 64 x rows, in groups of 8, multiply
 // each block as soon as it is decoded in registers (RowsFused512); with AVX2 only, 1-2 x
 // rows do the same at 8 lanes (RowsFused); otherwise (or fused=false) panels of 4 weight
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "native_items.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>  // AVX2 code needs -mavx2; the AVX-512 functions carry their target
@@ -377,12 +378,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
   // Few items (K and V projections: 192 rows = 6 items) split unevenly between threads;
   // measured slower with helpers at batch 4 (see block_matmul/__init__.py).
-  int64_t helpers = a.M * a.N * a.K >= min_parallel_macs && sh->items >= kMinParallelItems
-                        ? pool.num_threads() : 0;
-  if (helpers > sh->items - 1) helpers = sh->items - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(sh.get()); });
-  Drain(sh.get());
-  while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  const bool parallel = a.M * a.N * a.K >= min_parallel_macs && sh->items >= kMinParallelItems;
+  jaxinfer::RunItems(pool, sh, sh->items, parallel, a.M, Drain);
   return ffi::Error::Success();
 }
 

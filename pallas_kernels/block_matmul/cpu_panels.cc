@@ -10,7 +10,7 @@
 // Work items are groups of up to four column blocks (64 columns). Per item, x rows go in
 // passes of up to six: each k loads the group's four W vectors once and multiplies them
 // by six broadcast x values into 24 accumulators (4 + 1 + 24 of the 32 zmm registers).
-// Items are shared by the caller and tasks on XLA's intra-op pool (as cpu_matmul.cc).
+// Items are shared by the caller and helpers (native_items.h's RunItems).
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -121,7 +121,7 @@ ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   a.w = w.typed_data() + l * a.N * a.K;
   a.y = y->typed_data();
   a.items = (blocks + kGroup - 1) / kGroup;
-  jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, Drain);
+  jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, a.M, Drain);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("f32 panel matmul: built for x86-64 only");

@@ -12,9 +12,9 @@
 //
 // x is rounded to bf16 (round to nearest even, as XLA's convert) once per call (AMX: into
 // [ceil(M / 16) * 16, K] with zero rows past M). Work items are groups of up to four column
-// blocks (64 columns), shared by the caller and tasks on XLA's intra-op pool (as
-// cpu_matmul.cc). AMX: per item, each 16-row block of x runs K in steps of 32: one A tile,
-// then a B tile and a TDPBF16PS per column block into four C tiles; each thread loads its
+// blocks (64 columns), shared by the caller and helpers (native_items.h's RunItems).
+// AMX: per item, each 16-row block of x runs K in steps of 32: one A tile, then a B tile
+// and a TDPBF16PS per column block into four C tiles; each thread loads its
 // tile configuration once per call and releases it at the end. Dot products: per item, x
 // rows in passes of up to six, each pair of K loading the group's four W rows once for six
 // broadcast pairs of x (24 accumulators + 4 + 1 of the 32 zmm registers), as the f32 panel
@@ -291,9 +291,9 @@ ffi::Error TilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   a.items = (blocks + kGroup - 1) / kGroup;
   const bool parallel = a.items >= kMinParallelItems;
   if (dot)
-    jaxinfer::RunItems(pool, sh, a.items, parallel, Drain<DotItem>);
+    jaxinfer::RunItems(pool, sh, a.items, parallel, a.M, Drain<DotItem>);
   else
-    jaxinfer::RunItems(pool, sh, a.items, parallel, Drain<TileItem>);
+    jaxinfer::RunItems(pool, sh, a.items, parallel, a.M, Drain<TileItem>);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("bf16 tile matmul: built without AMX / AVX512-BF16 support "

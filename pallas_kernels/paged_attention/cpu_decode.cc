@@ -10,8 +10,8 @@
 // page and head), q8_0 and q4_0 (GGML blocks of 32 values with an fp16 scale).
 //
 // Work items (slot, head) are taken from a shared counter by the calling thread and by
-// tasks scheduled on XLA's intra-op thread pool; the caller waits only for items that
-// were taken, so a task that never starts cannot stall the call.
+// helpers (native_items.h's RunItems); the caller waits only for items that were taken,
+// so a helper that never starts cannot stall the call.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -533,7 +533,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     a.part = part.data();
   }
   sh->items = a.R * a.K * a.splits;
-  jaxinfer::RunItems(pool, sh, sh->items, parallel, Drain);
+  jaxinfer::RunItems(pool, sh, sh->items, parallel, a.R, Drain);
   if (a.splits > 1) Merge(a);
   return ffi::Error::Success();
 }
