@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <pthread.h>
 #include <sched.h>
 #include <string>
 #include <thread>
@@ -82,6 +83,9 @@ class Helpers {
     if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
     count_ = (env && std::string(env) == "0") || cpus < 2 ? 0 : cpus - 1;
     for (int64_t i = 0; i < count_; ++i) std::thread([this] { Loop(); }).detach();
+    // A forked child has none of these threads (and may have copied a job in flight): its
+    // calls run on XLA's pool.
+    pthread_atfork(nullptr, nullptr, [] { Get().count_ = 0; });
   }
 
   void Loop() {
