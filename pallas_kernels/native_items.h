@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 
@@ -81,8 +82,11 @@ class Helpers {
     int64_t cpus = static_cast<int64_t>(std::thread::hardware_concurrency());
     cpu_set_t set;  // the CPUs this process may run on (taskset, cgroups' cpusets)
     if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
-    count_ = (env && std::string(env) == "0") || cpus < 2 ? 0 : cpus - 1;
-    for (int64_t i = 0; i < count_; ++i) std::thread([this] { Loop(); }).detach();
+    const int64_t want = (env && std::string(env) == "0") || cpus < 2 ? 0 : cpus - 1;
+    try {  // as many as start (a process limited in threads gets fewer, or none)
+      for (; count_ < want; ++count_) std::thread([this] { Loop(); }).detach();
+    } catch (const std::system_error&) {
+    }
     // A forked child has none of these threads (and may have copied a job in flight): its
     // calls run on XLA's pool.
     pthread_atfork(nullptr, nullptr, [] { Get().count_ = 0; });
