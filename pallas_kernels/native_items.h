@@ -1,14 +1,14 @@
-// Work items shared by the calling thread and tasks on XLA's intra-op thread pool, for the
-// native CPU calls built by pallas_kernels/native.py (cpu_tiles.cc, cpu_panels.cc,
-// cpu_decode.cc).
+// Work items shared by the calling thread and helpers (the library's own spinning threads
+// or tasks on XLA's intra-op thread pool), for the native CPU calls built by
+// pallas_kernels/native.py (cpu_matmul.cc, cpu_tiles.cc, cpu_panels.cc, cpu_decode.cc).
 #ifndef JAXINFER_NATIVE_ITEMS_H_
 #define JAXINFER_NATIVE_ITEMS_H_
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <pthread.h>
