@@ -6,11 +6,15 @@ summed by op family (an XLA fusion's name without its numeric suffix: every laye
   python tools/profile_step.py --batch=1 --new_tokens=512 --context=0     # a prefill
   python tools/profile_step.py --batch=16 --layers=unrolled --output_dir=out/profile
 
-On XLA:CPU the families are: `ynn_fusion` / `xnn_fusion` (matmuls through YNNPACK /
-XNNPACK), `dynamic-slice*_fusion` (a scanned layer's weights copied out of the stacked
-arrays), `*gather_fusion` (KV pages gathered for attention), `while` (the attention's
-page-block loop), `copy` (buffers XLA could not update in place). Ops can run on both
-cores at once, so their times may sum to more than the step's wall time.
+On XLA:CPU the families are: the project's native calls by their targets
+(`jaxinfer_f32_panel_matmul`, `jaxinfer_bf16_tile_matmul`, `jaxinfer_block_matmul`,
+`jaxinfer_paged_decode`: the trace names each only `ffi_call.N`, so the binary has XLA dump
+the optimized HLO to a temporary directory and reads the targets there), `ynn_fusion` /
+`xnn_fusion` (matmuls and reductions through YNNPACK / XNNPACK), `dynamic-slice*_fusion`
+(a scanned layer's weights copied out of the stacked arrays), `*gather_fusion` (KV pages
+gathered for attention), `while` (a scanned layer loop, or the attention's page-block
+loop: it holds the ops inside it), `copy` (buffers XLA could not update in place). Ops can
+run on both cores at once, so their times may sum to more than the step's wall time.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 
@@ -48,14 +53,33 @@ _NOT_OPS = ("$", "ThunkExecutor", "PjitFunction", "SlinkyThreadPool", "end: ",
             "CommonPjRtLoadedExecutable", "PjRt")
 
 
-def op_families(trace_events, steps: int):
-  """{family: (ms per step, ops per step)} from a Chrome-format trace's complete events."""
+def custom_call_targets(dump_dir: str) -> dict:
+  """{(HLO module, instruction): custom-call target} of every custom call in the optimized
+  HLO that XLA dumped under dump_dir (--xla_dump_to): the trace names an FFI call only
+  `ffi_call.N`."""
+  out = {}
+  for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+    module = None
+    with open(path) as f:
+      for line in f:
+        if line.startswith("HloModule "):
+          module = line.split()[1].rstrip(",")
+        m = re.search(r'%(\S+) = .*custom_call_target="([^"]+)"', line)
+        if m:
+          out[module, m.group(1)] = m.group(2)
+  return out
+
+
+def op_families(trace_events, steps: int, targets: dict | None = None):
+  """{family: (ms per step, ops per step)} from a Chrome-format trace's complete events; a
+  custom call found in `targets` counts under its target's name."""
   total = collections.Counter()
   count = collections.Counter()
   for e in trace_events:
     if e.get("ph") != "X" or e.get("name", "").startswith(_NOT_OPS):
       continue
-    fam = re.sub(r"\.\d+$", "", e["name"])
+    target = (targets or {}).get((e.get("args", {}).get("hlo_module"), e["name"]))
+    fam = target or re.sub(r"\.\d+$", "", e["name"])
     total[fam] += e.get("dur", 0)
     count[fam] += 1
   return {k: (v / steps / 1e3, count[k] / steps) for k, v in total.most_common()}
@@ -63,6 +87,18 @@ def op_families(trace_events, steps: int):
 
 def main(argv):
   del argv
+  # the optimized HLO, to name each FFI call by its target (custom_call_targets); set
+  # before jax starts its backend
+  dump = tempfile.mkdtemp(prefix="profile_step_hlo_")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
+  try:
+    _profile(dump)
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
+
+
+def _profile(dump: str):
   import jax
   from jaxinfer import benchmarking as bm
   from jaxinfer.executors.jax_executor import JaxExecutor
@@ -90,7 +126,7 @@ def main(argv):
       raise RuntimeError(f"jax.profiler wrote no trace under {d}")
     with gzip.open(files[0]) as f:
       events = json.load(f)["traceEvents"]
-  fams = op_families(events, FLAGS.steps)
+  fams = op_families(events, FLAGS.steps, custom_call_targets(dump))
   op_ms = sum(ms for ms, _ in fams.values())
   kind = "decode" if FLAGS.new_tokens == 1 else f"{FLAGS.new_tokens}-token prefill"
   print(f"{FLAGS.model}, {kind}, batch {FLAGS.batch}, context {FLAGS.context}, attention "
