@@ -88,14 +88,18 @@ def op_families(trace_events, steps: int, targets: dict | None = None):
 def main(argv):
   del argv
   # the optimized HLO, to name each FFI call by its target (custom_call_targets); set
-  # before jax starts its backend
-  dump = tempfile.mkdtemp(prefix="profile_step_hlo_")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
+  # before jax starts its backend. A dump the caller asked for (--xla_dump_to in XLA_FLAGS)
+  # is read where it is and kept.
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  theirs = re.search(r"--xla_dump_to=(\S+)", xla_flags)
+  dump = theirs.group(1) if theirs else tempfile.mkdtemp(prefix="profile_step_hlo_")
+  os.environ["XLA_FLAGS"] = (xla_flags + ("" if theirs else f" --xla_dump_to={dump}") +
+                             " --xla_dump_hlo_as_text").strip()
   try:
     _profile(dump)
   finally:
-    shutil.rmtree(dump, ignore_errors=True)
+    if not theirs:
+      shutil.rmtree(dump, ignore_errors=True)
 
 
 def _profile(dump: str):

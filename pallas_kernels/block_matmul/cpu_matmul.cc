@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"

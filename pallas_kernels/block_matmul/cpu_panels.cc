@@ -14,7 +14,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 #include "native_items.h"
