@@ -43,7 +43,7 @@ struct Args {
 };
 
 template <int MR, int NB>
-JX_512 void Pass(const Args& a, int64_t m0, int64_t j0) {
+JX_512 void Pass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& pf) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -51,6 +51,7 @@ JX_512 void Pass(const Args& a, int64_t m0, int64_t j0) {
   const int64_t stride = a.K * kCols;  // from one panel to the next
   const float* x = a.x + m0 * a.K;
   for (int64_t k = 0; k < a.K; ++k) {
+    pf.Step();
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + k * kCols);
     for (int m = 0; m < MR; ++m) {
@@ -63,18 +64,28 @@ JX_512 void Pass(const Args& a, int64_t m0, int64_t j0) {
       _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
-template <int NB>
-void Passes(const Args& a, int64_t j0) {
-  jaxinfer::SixRowPasses(a.M, [&](auto mr, int64_t m) { Pass<mr.value, NB>(a, m, j0); });
+int64_t Blocks(const Args& a, int64_t item) {
+  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+  return blocks - j0 < kGroup ? blocks - j0 : kGroup;
 }
 
-JX_512 void Item(const Args& a, int64_t item) {
-  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
-  switch (blocks - j0 < kGroup ? blocks - j0 : kGroup) {
-    case 1: Passes<1>(a, j0); break;
-    case 2: Passes<2>(a, j0); break;
-    case 3: Passes<3>(a, j0); break;
-    default: Passes<4>(a, j0); break;
+// Item `item`'s passes, fetching item `next`'s weights (one line per k of a panel) meanwhile.
+template <int NB>
+void Passes(const Args& a, int64_t j0, int64_t next) {
+  const float* nw = next < 0 ? nullptr : a.w + next * kGroup * a.K * kCols;
+  const int64_t lines = next < 0 ? 0 : Blocks(a, next) * a.K;
+  jaxinfer::SixRowPassesAhead(a.M, a.K, nw, lines, [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
+    Pass<mr.value, NB>(a, m, j0, pf);
+  });
+}
+
+JX_512 void Item(const Args& a, int64_t item, int64_t next) {
+  const int64_t j0 = item * kGroup;
+  switch (Blocks(a, item)) {
+    case 1: Passes<1>(a, j0, next); break;
+    case 2: Passes<2>(a, j0, next); break;
+    case 3: Passes<3>(a, j0, next); break;
+    default: Passes<4>(a, j0, next); break;
   }
 }
 
@@ -85,12 +96,7 @@ struct Shared {
 };
 
 void Drain(Shared* sh) {
-  for (;;) {
-    const int64_t i = sh->next.fetch_add(1);
-    if (i >= sh->args.items) return;
-    Item(sh->args, i);
-    sh->done.fetch_add(1, std::memory_order_release);
-  }
+  jaxinfer::DrainAhead(sh, sh->args.items, [sh](int64_t i, int64_t n) { Item(sh->args, i, n); });
 }
 #endif  // JX_HAVE_512
 

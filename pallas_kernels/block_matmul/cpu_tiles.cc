@@ -154,7 +154,7 @@ JX_AMX void Tile(const Args& a, int64_t m0, int64_t j0, float* tmp) {
 // takes every call. Each 64-byte row of a column block (16 columns, a pair of K each) meets
 // a row's pair of x in one VDPBF16PS; the MR x NB accumulators are independent chains.
 template <int MR, int NB>
-JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0) {
+JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& pf) {
   const int64_t half = a.K / 2, blk = half * 32;
   const uint16_t* w0 = a.w + j0 * blk;
   __m512 acc[MR][NB];
@@ -164,6 +164,7 @@ JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < half; ++p) {
+    pf.Step();
     __m512i b[NB];
     for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(w0 + j * blk + p * 32);
     for (int m = 0; m < MR; ++m) {
@@ -177,9 +178,21 @@ JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0) {
       _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
+int64_t Blocks(const Args& a, int64_t item) {
+  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+  return blocks - j0 < kGroup ? blocks - j0 : kGroup;
+}
+
+// Item `item`'s passes, fetching item `next`'s weights (a line per pair of K of a column
+// block) meanwhile.
 template <int NB>
-void DotPasses(const Args& a, int64_t j0) {
-  jaxinfer::SixRowPasses(a.M, [&](auto mr, int64_t m) { DotPass<mr.value, NB>(a, m, j0); });
+void DotPasses(const Args& a, int64_t j0, int64_t next) {
+  const int64_t half = a.K / 2;
+  const uint16_t* nw = next < 0 ? nullptr : a.w + next * kGroup * half * 32;
+  const int64_t lines = next < 0 ? 0 : Blocks(a, next) * half;
+  jaxinfer::SixRowPassesAhead(a.M, half, nw, lines, [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
+    DotPass<mr.value, NB>(a, m, j0, pf);
+  });
 }
 
 // A thread's state across the items it takes: the AMX engine's scratch block and whether
@@ -189,17 +202,17 @@ struct Scratch {
   bool configured = false;
 };
 
-JX_BF16DOT void DotItem(const Args& a, int64_t item, Scratch*) {
-  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
-  switch (blocks - j0 < kGroup ? blocks - j0 : kGroup) {
-    case 1: DotPasses<1>(a, j0); break;
-    case 2: DotPasses<2>(a, j0); break;
-    case 3: DotPasses<3>(a, j0); break;
-    default: DotPasses<4>(a, j0); break;
+JX_BF16DOT void DotItem(const Args& a, int64_t item, int64_t next, Scratch*) {
+  const int64_t j0 = item * kGroup;
+  switch (Blocks(a, item)) {
+    case 1: DotPasses<1>(a, j0, next); break;
+    case 2: DotPasses<2>(a, j0, next); break;
+    case 3: DotPasses<3>(a, j0, next); break;
+    default: DotPasses<4>(a, j0, next); break;
   }
 }
 
-JX_AMX void TileItem(const Args& a, int64_t item, Scratch* s) {
+JX_AMX void TileItem(const Args& a, int64_t item, int64_t, Scratch* s) {
   if (!s->configured) {
     Configure();
     s->configured = true;
@@ -225,15 +238,11 @@ struct Shared {
 };
 
 // Takes items until none are left, with either engine's item function.
-template <void (*ItemFn)(const Args&, int64_t, Scratch*)>
+template <void (*ItemFn)(const Args&, int64_t, int64_t, Scratch*)>
 void Drain(Shared* sh) {
   Scratch s;
-  for (;;) {
-    const int64_t i = sh->next.fetch_add(1);
-    if (i >= sh->args.items) break;
-    ItemFn(sh->args, i, &s);
-    sh->done.fetch_add(1, std::memory_order_release);
-  }
+  jaxinfer::DrainAhead(sh, sh->args.items,
+                       [sh, &s](int64_t i, int64_t n) { ItemFn(sh->args, i, n, &s); });
   if (s.configured) ReleaseTiles();
 }
 
