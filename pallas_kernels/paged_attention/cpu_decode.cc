@@ -12,6 +12,7 @@
 // Work items (slot, head) are taken from a shared counter by the calling thread and by
 // helpers (native_items.h's RunItems); the caller waits only for items that were taken,
 // so a helper that never starts cannot stall the call.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +45,16 @@ constexpr int64_t kMaxSplits = 8;
 // alone 59 ms and the V pass alone 89 ms, so switching between the two streams every
 // four pages had cost more than either.
 constexpr int64_t kChunkTokens = 1024;
+// How far ahead, in tokens, a K or V page's rows are asked into L2 besides the next page's
+// into L1 (Pool::PrefetchRows): the next page alone left one thread reading 6.6 GB/s from
+// pages in a shuffled order and 14.6 in order (a single-thread harness calling Attend, batch
+// 64 / context 1024, f32); also asking for the page 2-4 pages ahead into L2 gave 11-12 and
+// 16.7-17.4 GB/s (in L1 instead: no gain). Alternated SmolLM2 f32 steps (11 each, pages in
+// order, 2026-12-02), none / 3 / 4 / 6 / 8 pages of 16 ahead: batch 16 / 4096 200.8 /
+// 164.0 / 159.9 / 161.2 / 159.8 ms, batch 64 / 1024 281.5 / 257.1 / 260.0 / 265.4 / 257.6;
+// in another run none / 2 / 4: batch 16 / 1024 71.7 / 66.7 / 65.6, batch 1 / 4096 28.3 /
+// 27.8 / 27.6.
+constexpr int64_t kDeepTokens = 64;
 // Vector registers the compiler may use (AVX-512VL gives 8-float vectors 32 of them).
 #ifdef __AVX512VL__
 constexpr int kVecRegs = 32;
@@ -134,6 +145,7 @@ struct Args {
   // for the merge after the call's items are done.
   int64_t splits = 1;
   float* part = nullptr;
+  int64_t deep = 0;  // pages ahead of the one read whose rows go to L2 (kDeepTokens)
 };
 
 // An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
@@ -271,6 +283,8 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // 4096 126.1 vs 122.1 ms, batch 64 / 1024 192.8 vs 183.5, batch 1 / 4096 12.7 vs
       // 12.1, shuffled pages 279.0 vs 267.3)
       const Ahead nx = Next(a, r, lk, c0 + p0, n, after);
+      const int64_t deep_t = a.deep ? c0 + p0 + a.deep * ps : n;
+      const int64_t deep_page = deep_t < n ? PageAt(a, r, deep_t) : 0;
       const int64_t cnt_next = nx.cnt;
       const float ks = a.kp.PageScale(lk, page);  // fp8: folded into q (Row leaves it out)
       V8 qs[kMaxG][kMaxH / 8];
@@ -289,6 +303,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         if (o < cnt_next) {
           a.kp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
         }
+        if (deep_t < n) a.kp.PrefetchRows<2>(lk, deep_page, o, o + 4);
         const float* kr[4];
         for (int t = 0; t < 4; ++t) kr[t] = a.kp.Row(lk, page, o + t, kbuf4[t]);
         __m256 d[kMaxG][4];
@@ -316,6 +331,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         if (o < cnt_next) {
           a.kp.PrefetchRows(nx.lk, nx.page, o, o + 1);
         }
+        if (deep_t < n) a.kp.PrefetchRows<2>(lk, deep_page, o, o + 1);
         const float* kr = a.kp.Row(lk, page, o, kbuf);
         V8 d[kMaxG];
         for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
@@ -349,6 +365,8 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // / 4096 153.0 -> 145.9, batch 64 / 1024 148.5 -> 144.6, batch 1 / 4096 11.8 ->
       // 11.3; q8_0 73.2 -> 75.7 and shuffled pages 257.8 -> 263.5, within their noise).
       const int64_t vnext = p0 + ps < cn ? PageAt(a, r, c0 + p0 + ps) : 0;
+      const int64_t vdeep = a.deep && p0 + a.deep * ps < cn ? a.deep * ps : 0;
+      const int64_t vdeep_page = vdeep ? PageAt(a, r, c0 + p0 + vdeep) : 0;
       const int64_t vcnt = p0 + ps < cn ? (cn - p0 - ps < ps ? cn - p0 - ps : ps) : 0;
       const float* vr[64];
       for (int64_t o = 0; o < cnt; ++o) vr[o] = a.vp.Row(lk, page, o, vpage + o * kMaxH);
@@ -361,6 +379,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         const int64_t vpf = b == 0 ? vcnt : 0;
         for (int64_t o = 0; o < cnt; ++o) {
           if (o < vpf) a.vp.PrefetchRows(lk, vnext, o, o + 1);
+          if (b == 0 && vdeep) a.vp.PrefetchRows<2>(lk, vdeep_page, o, o + 1);
           V8 vc[CB];
           for (int64_t j = 0; j < CB; ++j) vc[j] = Load(vr[o] + 8 * (b + j));
           for (int64_t g = 0; g < G; ++g) {
@@ -519,6 +538,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.kp.scales = k_scales.untyped_data();
   a.vp.scales = v_scales.untyped_data();
   sh->fn = Select(a.H, a.G);
+  a.deep = std::max<int64_t>(2, kDeepTokens / a.kp.ps);
 
   int64_t tokens = 0, longest = 0;
   for (int64_t r = 0; r < a.R; ++r) {

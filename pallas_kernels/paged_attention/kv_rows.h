@@ -61,10 +61,13 @@ struct Pool {
   // prefetch within 3-4%, pages in order or shuffled; kept for the batch-64 cells. With
   // 1024-token chunks on the AMD EPYC VM: K a page ahead in the K pass and V a page ahead
   // in the V pass, 3-7% faster than both in the K pass; see cpu_decode.cc.)
+  // kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
+  template <int kLocality = 3>
   void PrefetchRows(int64_t lk, int64_t page, int64_t o0, int64_t o1) const {
     const int64_t row = Hc * code_bytes;
     const char* base = static_cast<const char*>(codes) + ((lk * P + page) * ps + o0) * row;
-    for (int64_t off = 0; off < (o1 - o0) * row; off += 64) __builtin_prefetch(base + off, 0, 3);
+    for (int64_t off = 0; off < (o1 - o0) * row; off += 64)
+      __builtin_prefetch(base + off, 0, kLocality);
   }
 
   // The factor Row's values of a page lack: the fp8 page scale times 2^8, else 1.
