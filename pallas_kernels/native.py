@@ -6,9 +6,9 @@ Four custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decod
 and OS run) and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512;
 `panels_available()`). The library is compiled on first use with the machine's C++
 compiler into the cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native),
-keyed by the sources and the headers they share (native_items.h, kv_rows.h), the flags,
-the compiler and jax's version: one object per source, compiled in parallel (33 s of
-compiler time, 18-19 s of it cpu_decode.cc; 26 s on two cores), then linked and renamed
+keyed by the sources and the headers they share (native_items.h, kv_rows.h, fast_exp.h),
+the flags, the compiler and jax's version: one object per source, compiled in parallel
+(33 s of compiler time, 18-19 s of it cpu_decode.cc; 26 s on two cores), then linked and renamed
 into place atomically. A file lock makes concurrent processes (test workers, a server and
 its client) wait for one build instead of each running its own. Without a compiler, on a
 platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 HEADERS = (os.path.join(_HERE, "native_items.h"),  # included by sources: part of the key
-           os.path.join(_HERE, "paged_attention", "kv_rows.h"))
+           os.path.join(_HERE, "paged_attention", "kv_rows.h"),
+           os.path.join(_HERE, "paged_attention", "fast_exp.h"))
 SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
            os.path.join(_HERE, "block_matmul", "cpu_tiles.cc"),

@@ -74,9 +74,10 @@ template <int NB>
 void Passes(const Args& a, int64_t j0, int64_t next) {
   const float* nw = next < 0 ? nullptr : a.w + next * kGroup * a.K * kCols;
   const int64_t lines = next < 0 ? 0 : Blocks(a, next) * a.K;
-  jaxinfer::SixRowPassesAhead(a.M, a.K, nw, lines, [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
-    Pass<mr.value, NB>(a, m, j0, pf);
-  });
+  jaxinfer::SixRowPassesAhead(a.M, a.K, nw, lines,
+                              [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
+                                Pass<mr.value, NB>(a, m, j0, pf);
+                              });
 }
 
 JX_512 void Item(const Args& a, int64_t item, int64_t next) {

@@ -190,9 +190,10 @@ void DotPasses(const Args& a, int64_t j0, int64_t next) {
   const int64_t half = a.K / 2;
   const uint16_t* nw = next < 0 ? nullptr : a.w + next * kGroup * half * 32;
   const int64_t lines = next < 0 ? 0 : Blocks(a, next) * half;
-  jaxinfer::SixRowPassesAhead(a.M, half, nw, lines, [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
-    DotPass<mr.value, NB>(a, m, j0, pf);
-  });
+  jaxinfer::SixRowPassesAhead(a.M, half, nw, lines,
+                              [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
+                                DotPass<mr.value, NB>(a, m, j0, pf);
+                              });
 }
 
 // A thread's state across the items it takes: the AMX engine's scratch block and whether

@@ -1,5 +1,5 @@
 // Paged decode attention for XLA:CPU, as an XLA FFI custom call (see cpu_native.py; the
-// pool's rows are read by kv_rows.h).
+// pool's rows are read by kv_rows.h, the softmax's exp is fast_exp.h's).
 //
 // One new token per request slot: for each (slot r, KV head k) the G = N / K query rows
 // of that head start the online softmax with the slot's own new token, then read its
@@ -22,6 +22,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "native_items.h"
+#include "paged_attention/fast_exp.h"
 #include "paged_attention/kv_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,67 +62,6 @@ constexpr int kVecRegs = 32;
 #else
 constexpr int kVecRegs = 16;
 #endif
-
-// exp(x) for x <= 0 (softmax arguments): a branch-free polynomial, within 1 ulp of exp
-// over [-87, 0] (checked on 2M points in float32 arithmetic). Its constants are shared with
-// the eight-lane form in ExpShifted, which must give the same values.
-constexpr float kExpMin = -87.0f;
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline float FastExp(float x) {
-  x = x < kExpMin ? kExpMin : x;
-  const float t = x * kLog2e;
-  const float n = std::floor(t + 0.5f);
-  const float f = x - n * kLn2Hi - n * kLn2Lo;
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = p * f + kExpPoly[i];
-  p = p * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
-
-// s[0..cnt) <- FastExp(s[o] - mx); returns their sum. Eight at a time where the target has
-// AVX2 (the same polynomial as FastExp, which took them one at a time before).
-inline float ExpShifted(float* s, int64_t cnt, float mx) {
-  float sum = 0;
-  int64_t o = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 vmx = _mm256_set1_ps(mx);
-  for (; o + 8 <= cnt; o += 8) {
-    // max(kExpMin, x) keeps a NaN x (the scalar clamp does too)
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(kExpMin),
-                                   _mm256_sub_ps(_mm256_loadu_ps(s + o), vmx));
-    const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
-    __m256 p = _mm256_set1_ps(kExpPoly[0]);
-    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[i]));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_add_epi32(_mm256_castps_si256(p),
-                                       _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
-    const __m256 v = _mm256_castsi256_ps(e);
-    _mm256_storeu_ps(s + o, v);
-    acc = _mm256_add_ps(acc, v);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) +
-                                                           (lanes[3] + lanes[7]));
-#endif
-  for (; o < cnt; ++o) {
-    s[o] = FastExp(s[o] - mx);
-    sum += s[o];
-  }
-  return sum;
-}
 
 // An unaligned vector load (V8 is declared 4-byte aligned); a memcpy here compiled to two
 // 16-byte moves through the stack and a stalled 32-byte reload.
@@ -175,6 +115,7 @@ inline int64_t PageAt(const Args& a, int64_t r, int64_t t) {
 // a thread runs next.
 struct Ahead {
   int64_t lk = 0, page = 0, cnt = 0;
+  int64_t r = -1, tb = 0, n = 0;  // the item: its slot (-1: none) and tokens [tb, n)
 };
 
 // The first page of item (r, k, split), for the thread that will run it.
@@ -186,8 +127,47 @@ inline Ahead FirstPage(const Args& a, int64_t r, int64_t k, int64_t split) {
     h.lk = a.layer * a.K + k;
     h.page = PageAt(a, r, tb);
     h.cnt = n - tb < a.kp.ps ? n - tb : a.kp.ps;
+    h.r = r;
+    h.tb = tb;
+    h.n = n;
   }
   return h;
+}
+
+// A page further along a thread's reading order, whose rows go to L2 a row per token read.
+struct DeepPage {
+  const Pool* pool = nullptr;  // null: none
+  int64_t lk = 0, page = 0;
+};
+
+// The page a.deep pages after page j of the chunk at token c0 of item (r, lk, tokens below
+// n), in the K pass (v false) or the V pass, in the order a thread reads pages: a chunk's K
+// pages, its V pages, the next chunk's K pages, then `after`'s (the thread's next item).
+// Against looking ahead within the pass's own pages only (a chunk's first pages then came
+// unasked), alternated steps (15 each, 2026-12-02): batch 64 / 1024 bf16 215.8 -> 208.8 ms,
+// f32 244.2 -> 230.6; batch 16 / 4096 149.0 -> 140.6 and 154.0 -> 148.9; batch 1 / 1024
+// unchanged.
+inline DeepPage Deep(const Args& a, int64_t r, int64_t lk, int64_t c0, int64_t n, int64_t j,
+                     bool v, const Ahead& after) {
+  const int64_t ps = a.kp.ps, chunk = ps * (kChunkTokens / ps);
+  auto pages = [&](int64_t c, int64_t e) {
+    return ((e - c < chunk ? e - c : chunk) + ps - 1) / ps;
+  };
+  int64_t t = j + a.deep;
+  const int64_t np = pages(c0, n);
+  if (!v) {
+    if (t < np) return {&a.kp, lk, PageAt(a, r, c0 + t * ps)};
+    t -= np;
+  }
+  if (t < np) return {&a.vp, lk, PageAt(a, r, c0 + t * ps)};
+  t -= np;
+  if (c0 + chunk < n) {
+    if (t < pages(c0 + chunk, n)) return {&a.kp, lk, PageAt(a, r, c0 + chunk + t * ps)};
+    return {};
+  }
+  if (after.r >= 0 && t < pages(after.tb, after.n))
+    return {&a.kp, after.lk, PageAt(a, after.r, after.tb + t * ps)};
+  return {};
 }
 
 // What to prefetch while reading the page of token t0: the item's next page, or `after`.
@@ -283,8 +263,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // 4096 126.1 vs 122.1 ms, batch 64 / 1024 192.8 vs 183.5, batch 1 / 4096 12.7 vs
       // 12.1, shuffled pages 279.0 vs 267.3)
       const Ahead nx = Next(a, r, lk, c0 + p0, n, after);
-      const int64_t deep_t = a.deep ? c0 + p0 + a.deep * ps : n;
-      const int64_t deep_page = deep_t < n ? PageAt(a, r, deep_t) : 0;
+      const DeepPage dp = a.deep ? Deep(a, r, lk, c0, n, p0 / ps, false, after) : DeepPage{};
       const int64_t cnt_next = nx.cnt;
       const float ks = a.kp.PageScale(lk, page);  // fp8: folded into q (Row leaves it out)
       V8 qs[kMaxG][kMaxH / 8];
@@ -303,7 +282,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         if (o < cnt_next) {
           a.kp.PrefetchRows(nx.lk, nx.page, o, o + 4 < cnt_next ? o + 4 : cnt_next);
         }
-        if (deep_t < n) a.kp.PrefetchRows<2>(lk, deep_page, o, o + 4);
+        if (dp.pool) dp.pool->PrefetchRows<2>(dp.lk, dp.page, o, o + 4);
         const float* kr[4];
         for (int t = 0; t < 4; ++t) kr[t] = a.kp.Row(lk, page, o + t, kbuf4[t]);
         __m256 d[kMaxG][4];
@@ -331,7 +310,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         if (o < cnt_next) {
           a.kp.PrefetchRows(nx.lk, nx.page, o, o + 1);
         }
-        if (deep_t < n) a.kp.PrefetchRows<2>(lk, deep_page, o, o + 1);
+        if (dp.pool) dp.pool->PrefetchRows<2>(dp.lk, dp.page, o, o + 1);
         const float* kr = a.kp.Row(lk, page, o, kbuf);
         V8 d[kMaxG];
         for (int64_t g = 0; g < G; ++g) d[g] = V8{0, 0, 0, 0, 0, 0, 0, 0};
@@ -365,8 +344,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // / 4096 153.0 -> 145.9, batch 64 / 1024 148.5 -> 144.6, batch 1 / 4096 11.8 ->
       // 11.3; q8_0 73.2 -> 75.7 and shuffled pages 257.8 -> 263.5, within their noise).
       const int64_t vnext = p0 + ps < cn ? PageAt(a, r, c0 + p0 + ps) : 0;
-      const int64_t vdeep = a.deep && p0 + a.deep * ps < cn ? a.deep * ps : 0;
-      const int64_t vdeep_page = vdeep ? PageAt(a, r, c0 + p0 + vdeep) : 0;
+      const DeepPage vdp = a.deep ? Deep(a, r, lk, c0, n, p0 / ps, true, after) : DeepPage{};
       const int64_t vcnt = p0 + ps < cn ? (cn - p0 - ps < ps ? cn - p0 - ps : ps) : 0;
       const float* vr[64];
       for (int64_t o = 0; o < cnt; ++o) vr[o] = a.vp.Row(lk, page, o, vpage + o * kMaxH);
@@ -379,7 +357,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
         const int64_t vpf = b == 0 ? vcnt : 0;
         for (int64_t o = 0; o < cnt; ++o) {
           if (o < vpf) a.vp.PrefetchRows(lk, vnext, o, o + 1);
-          if (b == 0 && vdeep) a.vp.PrefetchRows<2>(lk, vdeep_page, o, o + 1);
+          if (b == 0 && vdp.pool) vdp.pool->PrefetchRows<2>(vdp.lk, vdp.page, o, o + 1);
           V8 vc[CB];
           for (int64_t j = 0; j < CB; ++j) vc[j] = Load(vr[o] + 8 * (b + j));
           for (int64_t g = 0; g < G; ++g) {
