@@ -214,8 +214,8 @@ struct WeightsAhead {
 // noise of repeated runs (f32 / 256 162.8 -> 167.1, bf16 / 256 128.3 -> 124.0, f32 / 1024
 // 278.7 -> 258.6, bf16 / 1024 207.6 -> 208.9).
 template <typename Pass>
-inline void SixRowPassesAhead(int64_t M, int64_t K, const void* next, int64_t lines,
-                              Pass pass) {
+inline void SixRowPassesAhead(int64_t m0, int64_t M, int64_t K, const void* next,
+                              int64_t lines, Pass pass) {
   WeightsAhead pf, none;
   const int64_t passes = (M + 5) / 6;
   if (next != nullptr && passes > 1) {
@@ -225,7 +225,20 @@ inline void SixRowPassesAhead(int64_t M, int64_t K, const void* next, int64_t li
     pf.per_k = (lines + spread - 1) / spread;
   }
   int64_t done = 0;
-  SixRowPasses(M, [&](auto mr, int64_t m) { pass(mr, m, done++ > 0 ? pf : none); });
+  SixRowPasses(M, [&](auto mr, int64_t m) { pass(mr, m0 + m, done++ > 0 ? pf : none); });
+}
+
+// Rows of a matmul's column group per work item: all M, or, when a call has more than 32
+// rows and fewer than 24 column groups, half of them each (a multiple of six), so two
+// threads share such a call's items evenly: SmolLM2's o and down have 9 groups of 64
+// columns (one thread ran 5 of them, the other 4), qkv 15. 30-layer loops at 64 rows,
+// alternated (2026-12-02), whole groups / halves: f32 qkv 605.5 / 593.9 us, o 424.3 /
+// 394.4, down 939.5 / 810.0; bf16 355.3 / 307.9, 239.3 / 198.9, 578.0 / 441.8. Engine steps
+// at batch 64 (15 each): f32 / 256 165.3 / 169.1 ms and, 25 each, 189.8 / 154.2; bf16 / 256
+// 102.6 / 99.0 and 107.8 / 106.0; / 1024 f32 257.9 / 252.9, bf16 207.3 / 201.6.
+inline int64_t RowsPerItem(int64_t M, int64_t groups) {
+  if (M <= 32 || groups >= 24) return M;
+  return ((M + 11) / 12) * 6;
 }
 
 // Takes items until none are left, each thread claiming its next item before it runs the

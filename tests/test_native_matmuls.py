@@ -42,9 +42,11 @@ def test_unpackable_shapes_are_refused_by_name():
 def test_matmul_matches_reference():
   """Each engine this CPU runs (the call's own choice, and the AVX512-BF16 dot products at
   every row count where the CPU has them): row counts of the dot products' passes of six
-  (1-7, 13) and around the 16-row A tile (16, 17, 40), column counts that leave 1-4 column
-  blocks in the last group of four (16 ... 80), K of one and of several 32-steps, a
-  stacked layer read by index, and an input that is not bf16-exact (rounded as XLA does)."""
+  (1-7, 13) and around the 16-row A tile (16, 17, 40), calls of more than 32 rows whose rows
+  are split into two items per column group (40, 65: parts of 24 + 16, 36 + 29), column
+  counts that leave 1-4 column blocks in the last group of four (16 ... 80), K of one and
+  of several 32-steps, a stacked layer read by index, and an input that is not bf16-exact
+  (rounded as XLA does)."""
   rng = np.random.default_rng(1)
   engines = [None] + (["dot"] if "dot" in tiles.engines() else [])
   for K, N in ((32, 16), (96, 48), (64, 80), (128, 64)):
@@ -52,7 +54,7 @@ def test_matmul_matches_reference():
     t = tiles.pack(w)
     for engine in engines:
       f = jax.jit(functools.partial(tiles.matmul, engine=engine))
-      for M in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40):
+      for M in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 40, 65):
         x = rng.standard_normal((M, K)).astype(np.float32)
         for layer in (0, 2):
           got = np.asarray(f(x, t, layer))
@@ -104,13 +106,14 @@ def test_panels_layout_and_refusals():
 
 @needs_avx512
 def test_panels_matmul_matches_reference():
-  """x rows in passes of six (1, 5, 6, 7, 13, 40 rows), the last group of four panels
-  holding 1-4 (N 16 ... 80), any K, a stacked layer read by index."""
+  """x rows in passes of six (1, 5, 6, 7, 13, 40, 65 rows; at 40 and 65 each column group's
+  rows are split into two items), the last group of four panels holding 1-4 (N 16 ... 80),
+  any K, a stacked layer read by index."""
   rng = np.random.default_rng(4)
   f = jax.jit(panels.matmul)
   for K, N in ((5, 16), (96, 48), (64, 80), (33, 64)):
     p = panels.pack(jnp.asarray(rng.standard_normal((3, K, N)).astype(np.float32)))
-    for M in (1, 5, 6, 7, 13, 40):
+    for M in (1, 5, 6, 7, 13, 40, 65):
       x = rng.standard_normal((M, K)).astype(np.float32)
       for layer in (0, 2):
         np.testing.assert_allclose(np.asarray(f(x, p, layer)),

@@ -89,6 +89,9 @@ struct Args {
   const uint16_t* w;   // this layer's [N / 16, K / 2, 16, 2]
   float* y;            // [M, N]
   int64_t M, Mp, N, K, items;
+  // rows per item (RowsPerItem; dot products only, AMX items take every row): item i is
+  // column group i / parts, rows part i % parts
+  int64_t rows, parts;
 };
 
 JX_AMX void Configure() {
@@ -178,21 +181,24 @@ JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0, jaxinfer::Weights
       _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
-int64_t Blocks(const Args& a, int64_t item) {
-  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
+// Column blocks of group g.
+int64_t Blocks(const Args& a, int64_t g) {
+  const int64_t j0 = g * kGroup, blocks = a.N / kCols;
   return blocks - j0 < kGroup ? blocks - j0 : kGroup;
 }
 
-// Item `item`'s passes, fetching item `next`'s weights (a line per pair of K of a column
-// block) meanwhile.
+// Item `item`'s passes, fetching the weights of item `next` (a line per pair of K of a
+// column block) meanwhile unless they are this item's.
 template <int NB>
-void DotPasses(const Args& a, int64_t j0, int64_t next) {
+void DotPasses(const Args& a, int64_t item, int64_t next) {
   const int64_t half = a.K / 2;
-  const uint16_t* nw = next < 0 ? nullptr : a.w + next * kGroup * half * 32;
-  const int64_t lines = next < 0 ? 0 : Blocks(a, next) * half;
-  jaxinfer::SixRowPassesAhead(a.M, half, nw, lines,
+  const int64_t g = item / a.parts, m0 = item % a.parts * a.rows;
+  const int64_t gn = next < 0 ? g : next / a.parts;
+  const uint16_t* nw = gn == g ? nullptr : a.w + gn * kGroup * half * 32;
+  const int64_t lines = gn == g ? 0 : Blocks(a, gn) * half;
+  jaxinfer::SixRowPassesAhead(m0, a.M - m0 < a.rows ? a.M - m0 : a.rows, half, nw, lines,
                               [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
-                                DotPass<mr.value, NB>(a, m, j0, pf);
+                                DotPass<mr.value, NB>(a, m, g * kGroup, pf);
                               });
 }
 
@@ -204,12 +210,11 @@ struct Scratch {
 };
 
 JX_BF16DOT void DotItem(const Args& a, int64_t item, int64_t next, Scratch*) {
-  const int64_t j0 = item * kGroup;
-  switch (Blocks(a, item)) {
-    case 1: DotPasses<1>(a, j0, next); break;
-    case 2: DotPasses<2>(a, j0, next); break;
-    case 3: DotPasses<3>(a, j0, next); break;
-    default: DotPasses<4>(a, j0, next); break;
+  switch (Blocks(a, item / a.parts)) {
+    case 1: DotPasses<1>(a, item, next); break;
+    case 2: DotPasses<2>(a, item, next); break;
+    case 3: DotPasses<3>(a, item, next); break;
+    default: DotPasses<4>(a, item, next); break;
   }
 }
 
@@ -298,7 +303,10 @@ ffi::Error TilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
   std::fill(xb.get() + a.M * a.K, xb.get() + a.Mp * a.K, uint16_t{0});
   a.xb = xb.get();
-  a.items = (blocks + kGroup - 1) / kGroup;
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  a.rows = dot ? jaxinfer::RowsPerItem(a.M, groups) : a.M;
+  a.parts = (a.M + a.rows - 1) / a.rows;
+  a.items = groups * a.parts;
   const bool parallel = a.items >= kMinParallelItems;
   if (dot)
     jaxinfer::RunItems(pool, sh, a.items, parallel, a.M, Drain<DotItem>);
