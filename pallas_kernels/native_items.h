@@ -201,8 +201,8 @@ struct WeightsAhead {
   }
 };
 
-// SixRowPasses for a register-blocked matmul whose item reads `lines` 64-byte lines of
-// weights at `next` when this thread runs it next (null: no next item). The first pass
+// SixRowPasses over rows [m0, m0 + M) for a register-blocked matmul whose next item on this
+// thread reads `lines` 64-byte lines of weights at `next` (null: none). The first pass
 // streams this item's own weights from memory while its FMAs wait on them; the passes after
 // it read them again from L2 (an item's four column blocks: 147 KB at K = 576, 393 KB at
 // 1536) and fetch the next item's meanwhile, spread evenly over their K steps, so the next

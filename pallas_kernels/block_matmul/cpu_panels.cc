@@ -7,10 +7,12 @@
 // Panel layout of W [K, N] (panels.pack): [N / 16, K, 16], i.e. each block of 16 output
 // columns is one contiguous stream of K rows of 16 floats (one zmm register each).
 //
-// Work items are groups of up to four column blocks (64 columns). Per item, x rows go in
-// passes of up to six: each k loads the group's four W vectors once and multiplies them
-// by six broadcast x values into 24 accumulators (4 + 1 + 24 of the 32 zmm registers).
-// Items are shared by the caller and helpers (native_items.h's RunItems).
+// Work items are groups of up to four column blocks (64 columns), with their rows split in
+// two for calls of many rows and few groups (native_items.h's RowsPerItem). Per item, x
+// rows go in passes of up to six: each k loads the group's four W vectors once and
+// multiplies them by six broadcast x values into 24 accumulators (4 + 1 + 24 of the 32 zmm
+// registers); the passes after the first fetch the thread's next item's weights into L2
+// (SixRowPassesAhead). Items are shared by the caller and helpers (RunItems, DrainAhead).
 #include <atomic>
 #include <cstdint>
 #include <memory>

@@ -12,7 +12,9 @@
 //
 // x is rounded to bf16 (round to nearest even, as XLA's convert) once per call (AMX: into
 // [ceil(M / 16) * 16, K] with zero rows past M). Work items are groups of up to four column
-// blocks (64 columns), shared by the caller and helpers (native_items.h's RunItems).
+// blocks (64 columns), shared by the caller and helpers (native_items.h's RunItems); the
+// dot products split a group's rows in two for calls of many rows and few groups
+// (RowsPerItem) and fetch a thread's next item's weights ahead (SixRowPassesAhead).
 // AMX: per item, each 16-row block of x runs K in steps of 32: one A tile, then a B tile
 // and a TDPBF16PS per column block into four C tiles; each thread loads its
 // tile configuration once per call and releases it at the end. Dot products: per item, x

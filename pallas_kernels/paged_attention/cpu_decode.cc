@@ -50,7 +50,8 @@ constexpr int64_t kChunkTokens = 1024;
 // into L1 (Pool::PrefetchRows): the next page alone left one thread reading 6.6 GB/s from
 // pages in a shuffled order and 14.6 in order (a single-thread harness calling Attend, batch
 // 64 / context 1024, f32); also asking for the page 2-4 pages ahead into L2 gave 11-12 and
-// 16.7-17.4 GB/s (in L1 instead: no gain). Alternated SmolLM2 f32 steps (11 each, pages in
+// 16.7-17.4 GB/s (prefetcht2 instead of t1: the same within noise; four pages ahead into
+// L1 instead of one, an earlier round: slower). Alternated SmolLM2 f32 steps (11 each, pages in
 // order, 2026-12-02), none / 3 / 4 / 6 / 8 pages of 16 ahead: batch 16 / 4096 200.8 /
 // 164.0 / 159.9 / 161.2 / 159.8 ms, batch 64 / 1024 281.5 / 257.1 / 260.0 / 265.4 / 257.6;
 // in another run none / 2 / 4: batch 16 / 1024 71.7 / 66.7 / 65.6, batch 1 / 4096 28.3 /
