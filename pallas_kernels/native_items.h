@@ -211,11 +211,11 @@ struct WeightsAhead {
 // ahead: they are bound by reading, and at 8 rows (passes of 6 + 2) the second pass's burst
 // of prefetches made 30-layer loops 7-19% slower (f32 gate/up 271 -> 305 us, bf16 down 83
 // -> 97), at 12 mixed (bf16 qkv 109 -> 87, f32 o 141 -> 150); at 13 mixed too (f32 qkv 177
-// -> 200, LM head 6.66 -> 5.92 ms; bf16 within 3%). Alternated SmolLM2 steps (15 each, 2026-12-02; the old loop against
-// this one by a temporary switch): batch 16 / 256 f32 50.5 -> 45.6 ms, bf16 43.2 -> 37.6;
-// batch 16 / 1024 71.3 -> 69.2 and 61.6 -> 59.4; batch 1 unchanged; batch 64 within the
-// noise of repeated runs (f32 / 256 162.8 -> 167.1, bf16 / 256 128.3 -> 124.0, f32 / 1024
-// 278.7 -> 258.6, bf16 / 1024 207.6 -> 208.9).
+// -> 200, LM head 6.66 -> 5.92 ms; bf16 within 3%). Alternated SmolLM2 steps (15 each,
+// 2026-12-02; the old loop against this one by a temporary switch): batch 16 / 256 f32 50.5
+// -> 45.6 ms, bf16 43.2 -> 37.6; batch 16 / 1024 71.3 -> 69.2 and 61.6 -> 59.4; batch 1
+// unchanged; batch 64 within the noise of repeated runs (f32 / 256 162.8 -> 167.1, bf16 /
+// 256 128.3 -> 124.0, f32 / 1024 278.7 -> 258.6, bf16 / 1024 207.6 -> 208.9).
 template <typename Pass>
 inline void SixRowPassesAhead(int64_t m0, int64_t M, int64_t K, const void* next,
                               int64_t lines, Pass pass) {
