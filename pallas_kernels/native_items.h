@@ -244,6 +244,33 @@ inline int64_t RowsPerItem(int64_t M, int64_t groups) {
   return ((M + 11) / 12) * 6;
 }
 
+// The work items of a matmul over column groups of up to `group` blocks of 16 columns
+// (cpu_panels.cc, cpu_tiles.cc's dot products): item i is column group i / parts and rows
+// [Row0(i), Row0(i) + Rows(i)) of M, each group's rows in `parts` parts of `rows` rows
+// (RowsPerItem where `split`, else all M in one).
+struct GroupItems {
+  int64_t blocks = 0, group = 1, groups = 0, M = 0, rows = 0, parts = 1;
+
+  GroupItems() = default;
+  GroupItems(int64_t blocks_, int64_t group_, int64_t M_, bool split)
+      : blocks(blocks_), group(group_), groups((blocks_ + group_ - 1) / group_), M(M_),
+        rows(split ? RowsPerItem(M_, groups) : M_), parts(rows > 0 ? (M_ + rows - 1) / rows : 1) {}
+
+  int64_t items() const { return groups * parts; }
+  int64_t Group(int64_t i) const { return i / parts; }
+  // Column blocks in group g (the last may hold fewer than `group`).
+  int64_t Blocks(int64_t g) const {
+    return blocks - g * group < group ? blocks - g * group : group;
+  }
+  int64_t Row0(int64_t i) const { return i % parts * rows; }
+  int64_t Rows(int64_t i) const { return M - Row0(i) < rows ? M - Row0(i) : rows; }
+  // The group whose weights a thread's next item reads: -1 for none or this item's own.
+  int64_t NextGroup(int64_t i, int64_t next) const {
+    const int64_t gn = next < 0 ? -1 : Group(next);
+    return gn == Group(i) ? -1 : gn;
+  }
+};
+
 // Takes items until none are left, each thread claiming its next item before it runs the
 // one it holds (so that item's weights can be fetched meanwhile): run(i, next) with next
 // -1 for a thread's last. Counts sh->done.

@@ -126,10 +126,11 @@ def test_panels_matmul_matches_reference():
 
 @needs_avx512
 def test_calls_from_two_threads_at_once_agree_with_one_at_a_time():
-  """Two Python threads run native calls at once: one takes the library's spinning helpers,
-  the other finds them busy and hands its items to XLA's pool (native_items.h); every
-  result equals the same call made alone, bit for bit (each item's sums run in one fixed
-  order, whichever thread takes it)."""
+  """Two Python threads run native calls at once: while one holds the library's spinning
+  helpers, the other finds them busy and hands its items to XLA's pool (native_items.h;
+  how often depends on timing: 70 of 240 calls in one counted run); every result equals
+  the same call made alone, bit for bit (each item's sums run in one fixed order, whichever
+  thread takes it)."""
   import threading
   rng = np.random.default_rng(6)
   p = panels.pack(jnp.asarray(rng.standard_normal((2, 576, 576)).astype(np.float32)))

@@ -93,8 +93,9 @@ def main(argv):
   xla_flags = os.environ.get("XLA_FLAGS", "")
   theirs = re.search(r"--xla_dump_to=(\S+)", xla_flags)
   dump = theirs.group(1) if theirs else tempfile.mkdtemp(prefix="profile_step_hlo_")
+  as_text = "" if "--xla_dump_hlo_as_text" in xla_flags else " --xla_dump_hlo_as_text"
   os.environ["XLA_FLAGS"] = (xla_flags + ("" if theirs else f" --xla_dump_to={dump}") +
-                             " --xla_dump_hlo_as_text").strip()
+                             as_text).strip()
   try:
     _profile(dump)
   finally:

@@ -41,9 +41,8 @@ struct Args {
   const float* x;  // [M, K]
   const float* w;  // this layer's [N / 16, K, 16]
   float* y;        // [M, N]
-  int64_t M, N, K, items;
-  int64_t rows;  // rows per item (RowsPerItem): item i is group i / parts, rows part i % parts
-  int64_t parts;
+  int64_t M, N, K;
+  jaxinfer::GroupItems it;  // groups of kGroup panels, rows split by RowsPerItem
 };
 
 template <int MR, int NB>
@@ -68,28 +67,21 @@ JX_512 void Pass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& 
       _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
-// Column blocks of group g.
-int64_t Blocks(const Args& a, int64_t g) {
-  const int64_t j0 = g * kGroup, blocks = a.N / kCols;
-  return blocks - j0 < kGroup ? blocks - j0 : kGroup;
-}
-
 // Item `item`'s passes, fetching the weights of item `next` (one line per k of a panel)
 // meanwhile unless they are this item's.
 template <int NB>
 void Passes(const Args& a, int64_t item, int64_t next) {
-  const int64_t g = item / a.parts, m0 = item % a.parts * a.rows;
-  const int64_t gn = next < 0 ? g : next / a.parts;
-  const float* nw = gn == g ? nullptr : a.w + gn * kGroup * a.K * kCols;
-  const int64_t lines = gn == g ? 0 : Blocks(a, gn) * a.K;
-  jaxinfer::SixRowPassesAhead(m0, a.M - m0 < a.rows ? a.M - m0 : a.rows, a.K, nw, lines,
+  const int64_t g = a.it.Group(item), gn = a.it.NextGroup(item, next);
+  const float* nw = gn < 0 ? nullptr : a.w + gn * kGroup * a.K * kCols;
+  const int64_t lines = gn < 0 ? 0 : a.it.Blocks(gn) * a.K;
+  jaxinfer::SixRowPassesAhead(a.it.Row0(item), a.it.Rows(item), a.K, nw, lines,
                               [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
                                 Pass<mr.value, NB>(a, m, g * kGroup, pf);
                               });
 }
 
 JX_512 void Item(const Args& a, int64_t item, int64_t next) {
-  switch (Blocks(a, item / a.parts)) {
+  switch (a.it.Blocks(a.it.Group(item))) {
     case 1: Passes<1>(a, item, next); break;
     case 2: Passes<2>(a, item, next); break;
     case 3: Passes<3>(a, item, next); break;
@@ -104,7 +96,8 @@ struct Shared {
 };
 
 void Drain(Shared* sh) {
-  jaxinfer::DrainAhead(sh, sh->args.items, [sh](int64_t i, int64_t n) { Item(sh->args, i, n); });
+  jaxinfer::DrainAhead(sh, sh->args.it.items(),
+                       [sh](int64_t i, int64_t n) { Item(sh->args, i, n); });
 }
 #endif  // JX_HAVE_512
 
@@ -133,11 +126,9 @@ ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   a.x = x.typed_data();
   a.w = w.typed_data() + l * a.N * a.K;
   a.y = y->typed_data();
-  const int64_t groups = (blocks + kGroup - 1) / kGroup;
-  a.rows = jaxinfer::RowsPerItem(a.M, groups);
-  a.parts = (a.M + a.rows - 1) / a.rows;
-  a.items = groups * a.parts;
-  jaxinfer::RunItems(pool, sh, a.items, a.items >= kMinParallelItems, a.M, Drain);
+  a.it = jaxinfer::GroupItems(blocks, kGroup, a.M, true);
+  const int64_t items = a.it.items();
+  jaxinfer::RunItems(pool, sh, items, items >= kMinParallelItems, a.M, Drain);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("f32 panel matmul: built for x86-64 only");

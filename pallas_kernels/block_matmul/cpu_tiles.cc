@@ -90,10 +90,10 @@ struct Args {
   const uint16_t* xb;  // [Mp, K] bf16 bits
   const uint16_t* w;   // this layer's [N / 16, K / 2, 16, 2]
   float* y;            // [M, N]
-  int64_t M, Mp, N, K, items;
-  // rows per item (RowsPerItem; dot products only, AMX items take every row): item i is
-  // column group i / parts, rows part i % parts
-  int64_t rows, parts;
+  int64_t M, Mp, N, K;
+  // groups of kGroup column blocks; the dot products split rows (RowsPerItem), AMX items
+  // take every row
+  jaxinfer::GroupItems it;
 };
 
 JX_AMX void Configure() {
@@ -183,22 +183,15 @@ JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0, jaxinfer::Weights
       _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
 }
 
-// Column blocks of group g.
-int64_t Blocks(const Args& a, int64_t g) {
-  const int64_t j0 = g * kGroup, blocks = a.N / kCols;
-  return blocks - j0 < kGroup ? blocks - j0 : kGroup;
-}
-
 // Item `item`'s passes, fetching the weights of item `next` (a line per pair of K of a
 // column block) meanwhile unless they are this item's.
 template <int NB>
 void DotPasses(const Args& a, int64_t item, int64_t next) {
   const int64_t half = a.K / 2;
-  const int64_t g = item / a.parts, m0 = item % a.parts * a.rows;
-  const int64_t gn = next < 0 ? g : next / a.parts;
-  const uint16_t* nw = gn == g ? nullptr : a.w + gn * kGroup * half * 32;
-  const int64_t lines = gn == g ? 0 : Blocks(a, gn) * half;
-  jaxinfer::SixRowPassesAhead(m0, a.M - m0 < a.rows ? a.M - m0 : a.rows, half, nw, lines,
+  const int64_t g = a.it.Group(item), gn = a.it.NextGroup(item, next);
+  const uint16_t* nw = gn < 0 ? nullptr : a.w + gn * kGroup * half * 32;
+  const int64_t lines = gn < 0 ? 0 : a.it.Blocks(gn) * half;
+  jaxinfer::SixRowPassesAhead(a.it.Row0(item), a.it.Rows(item), half, nw, lines,
                               [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
                                 DotPass<mr.value, NB>(a, m, g * kGroup, pf);
                               });
@@ -212,7 +205,7 @@ struct Scratch {
 };
 
 JX_BF16DOT void DotItem(const Args& a, int64_t item, int64_t next, Scratch*) {
-  switch (Blocks(a, item / a.parts)) {
+  switch (a.it.Blocks(a.it.Group(item))) {
     case 1: DotPasses<1>(a, item, next); break;
     case 2: DotPasses<2>(a, item, next); break;
     case 3: DotPasses<3>(a, item, next); break;
@@ -225,8 +218,7 @@ JX_AMX void TileItem(const Args& a, int64_t item, int64_t, Scratch* s) {
     Configure();
     s->configured = true;
   }
-  const int64_t j0 = item * kGroup, blocks = a.N / kCols;
-  const int64_t nb = blocks - j0 < kGroup ? blocks - j0 : kGroup;
+  const int64_t j0 = item * kGroup, nb = a.it.Blocks(item);  // AMX: one part per group
   for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
     switch (nb) {
       case 1: Tile<1>(a, m0, j0, s->tmp); break;
@@ -249,7 +241,7 @@ struct Shared {
 template <void (*ItemFn)(const Args&, int64_t, int64_t, Scratch*)>
 void Drain(Shared* sh) {
   Scratch s;
-  jaxinfer::DrainAhead(sh, sh->args.items,
+  jaxinfer::DrainAhead(sh, sh->args.it.items(),
                        [sh, &s](int64_t i, int64_t n) { ItemFn(sh->args, i, n, &s); });
   if (s.configured) ReleaseTiles();
 }
@@ -305,15 +297,13 @@ ffi::Error TilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   for (int64_t i = 0; i < a.M * a.K; ++i) xb[i] = ToBf16(xf[i]);
   std::fill(xb.get() + a.M * a.K, xb.get() + a.Mp * a.K, uint16_t{0});
   a.xb = xb.get();
-  const int64_t groups = (blocks + kGroup - 1) / kGroup;
-  a.rows = dot ? jaxinfer::RowsPerItem(a.M, groups) : a.M;
-  a.parts = (a.M + a.rows - 1) / a.rows;
-  a.items = groups * a.parts;
-  const bool parallel = a.items >= kMinParallelItems;
+  a.it = jaxinfer::GroupItems(blocks, kGroup, a.M, dot);
+  const int64_t items = a.it.items();
+  const bool parallel = items >= kMinParallelItems;
   if (dot)
-    jaxinfer::RunItems(pool, sh, a.items, parallel, a.M, Drain<DotItem>);
+    jaxinfer::RunItems(pool, sh, items, parallel, a.M, Drain<DotItem>);
   else
-    jaxinfer::RunItems(pool, sh, a.items, parallel, a.M, Drain<TileItem>);
+    jaxinfer::RunItems(pool, sh, items, parallel, a.M, Drain<TileItem>);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("bf16 tile matmul: built without AMX / AVX512-BF16 support "

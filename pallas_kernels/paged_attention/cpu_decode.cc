@@ -86,7 +86,7 @@ struct Args {
   // for the merge after the call's items are done.
   int64_t splits = 1;
   float* part = nullptr;
-  int64_t deep = 0;  // pages ahead of the one read whose rows go to L2 (kDeepTokens)
+  int64_t deep = 2;  // pages ahead of the one read whose rows go to L2 (kDeepTokens)
 };
 
 // An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
@@ -264,7 +264,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // 4096 126.1 vs 122.1 ms, batch 64 / 1024 192.8 vs 183.5, batch 1 / 4096 12.7 vs
       // 12.1, shuffled pages 279.0 vs 267.3)
       const Ahead nx = Next(a, r, lk, c0 + p0, n, after);
-      const DeepPage dp = a.deep ? Deep(a, r, lk, c0, n, p0 / ps, false, after) : DeepPage{};
+      const DeepPage dp = Deep(a, r, lk, c0, n, p0 / ps, false, after);
       const int64_t cnt_next = nx.cnt;
       const float ks = a.kp.PageScale(lk, page);  // fp8: folded into q (Row leaves it out)
       V8 qs[kMaxG][kMaxH / 8];
@@ -345,7 +345,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // / 4096 153.0 -> 145.9, batch 64 / 1024 148.5 -> 144.6, batch 1 / 4096 11.8 ->
       // 11.3; q8_0 73.2 -> 75.7 and shuffled pages 257.8 -> 263.5, within their noise).
       const int64_t vnext = p0 + ps < cn ? PageAt(a, r, c0 + p0 + ps) : 0;
-      const DeepPage vdp = a.deep ? Deep(a, r, lk, c0, n, p0 / ps, true, after) : DeepPage{};
+      const DeepPage vdp = Deep(a, r, lk, c0, n, p0 / ps, true, after);
       const int64_t vcnt = p0 + ps < cn ? (cn - p0 - ps < ps ? cn - p0 - ps : ps) : 0;
       const float* vr[64];
       for (int64_t o = 0; o < cnt; ++o) vr[o] = a.vp.Row(lk, page, o, vpage + o * kMaxH);
@@ -445,25 +445,21 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
-// Each thread claims its next item before running the current one, so that the next
-// item's first page is fetched during the current item's last page.
+// Each thread claims its next item before running the current one (DrainAhead), so that
+// the next item's first pages are fetched during the current item's last.
 void Drain(Shared* sh) {
   const Args& a = sh->args;
-  int64_t i = sh->next.fetch_add(1);
   bool fetched = false;
-  while (i < sh->items) {
-    const int64_t j = sh->next.fetch_add(1);
+  jaxinfer::DrainAhead(sh, sh->items, [&](int64_t i, int64_t j) {
     Ahead after;
-    if (j < sh->items) {
+    if (j >= 0) {
       const int64_t rkj = j / a.splits;
       after = FirstPage(a, rkj / a.K, rkj % a.K, j % a.splits);
     }
     const int64_t rk = i / a.splits;
     sh->fn(a, rk / a.K, rk % a.K, i % a.splits, fetched, after);
-    sh->done.fetch_add(1, std::memory_order_release);
     fetched = after.cnt > 0;
-    i = j;
-  }
+  });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
