@@ -23,9 +23,11 @@ from jaxinfer.runtime.batcher import SeqWork, StepInput, pack_exact
 from jaxinfer.runtime.accounting import pages_for
 
 
-def median_time(fn: Callable, *args, repeats: int = 5) -> float:
-  """Median seconds of fn(*args) after one untimed call (compilation, first touch)."""
-  jax.block_until_ready(fn(*args))
+def median_time(fn: Callable, *args, repeats: int = 5, warm: bool = True) -> float:
+  """Median seconds of fn(*args), after one untimed call (compilation, first touch) unless
+  warm=False (the caller made it)."""
+  if warm:
+    jax.block_until_ready(fn(*args))
   ts = []
   for _ in range(repeats):
     t = time.perf_counter()
@@ -34,16 +36,40 @@ def median_time(fn: Callable, *args, repeats: int = 5) -> float:
   return float(np.median(ts))
 
 
+class ReadProbe:
+  """The read bandwidth of this machine at the moment it is called: bytes/s of the faster
+  of two read-once patterns over `mib` MiB, a full reduction and a vector-matrix product
+  x[1, D] @ W[D, n] (a decode step's weight read). Built once (the array, both compiles);
+  each call times one run of each, so a benchmark can take it beside every figure."""
+
+  def __init__(self, mib: int = 512):
+    n = mib * 2**20 // 4
+    self.bytes = n * 4
+    self.x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
+    self.w = self.x.reshape(512, n // 512)
+    self.v = jnp.ones((1, 512), jnp.float32)
+    self._sum = jax.jit(jnp.sum)
+    self._mv = jax.jit(lambda a, b: a @ b)
+    self.seconds()  # compiles, first touch
+
+  def seconds(self) -> Tuple[float, float]:
+    """(reduction, vector-matrix) seconds of one run each."""
+    out = []
+    for fn, args in ((self._sum, (self.x,)), (self._mv, (self.v, self.w))):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      out.append(time.perf_counter() - t)
+    return out[0], out[1]
+
+  def __call__(self) -> float:
+    return self.bytes / min(self.seconds())
+
+
 def measure_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-  """Best bytes/s over two read-once patterns: a full reduction, and a vector-matrix
-  product x[1, D] @ W[D, n] (a decode step's weight read)."""
-  n = mib * 2**20 // 4
-  x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
-  t_sum = median_time(jax.jit(jnp.sum), x, repeats=repeats)
-  w = x.reshape(512, n // 512)
-  v = jnp.ones((1, 512), jnp.float32)
-  t_mv = median_time(jax.jit(lambda a, b: a @ b), v, w, repeats=repeats)
-  return n * 4 / min(t_sum, t_mv)
+  """Best bytes/s over two read-once patterns (ReadProbe), each its median of `repeats`."""
+  probe = ReadProbe(mib)
+  ts = np.array([probe.seconds() for _ in range(repeats)])
+  return probe.bytes / float(np.median(ts, axis=0).min())
 
 
 def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
@@ -75,37 +101,52 @@ def native_kernel(cfg: ModelConfig, dtype=jnp.float32):
   return kernel if ok else None
 
 
+class MatmulRateProbe:
+  """FLOP/s of the weight matmuls of a step at its own shapes, at the moment it is called:
+  `rows` token rows through each layer matmul, `lm_rows` (default rows) through the LM head;
+  dtype: of both operands (bf16: float32 accumulation and result, as the model's
+  dense_matmul). native=True: the native CPU matmul a CPU executor runs such weights on
+  instead (model.params.as_native: bf16 tiles on AMX / AVX512-BF16, f32 AVX-512 panels; x
+  float32, the weight in its packed layout); None (the default): native wherever
+  `native_kernel` says the executor runs one. The compute floor of a step is its FLOPs over
+  the rate of what runs it. Built once (inputs, packed weights, compiles); each call times
+  every shape `repeats` times (median)."""
+
+  def __init__(self, cfg: ModelConfig, rows: int, lm_rows: int | None = None,
+               dtype=jnp.float32, native: bool | None = None):
+    lm_rows = rows if lm_rows is None else lm_rows
+    rng = np.random.default_rng(0)
+    kernel = native_kernel(cfg, dtype)
+    native = kernel is not None if native is None else native
+    if native and kernel is None:
+      raise ValueError(f"no native CPU matmul runs {jnp.dtype(dtype).name} weights of "
+                       f"{cfg.name} here (native_kernel)")
+    if native:
+      fn = jax.jit(kernel.matmul)
+    else:
+      fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    self.calls = []  # (fn, x, w, count)
+    self.flops = 0.0
+    for d_in, d_out, count in weight_matmul_shapes(cfg):
+      m = lm_rows if d_out == cfg.vocab_size else rows
+      x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)
+      w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32), dtype)
+      if native:
+        x, w = x.astype(jnp.float32), kernel.pack(w)
+      jax.block_until_ready(fn(x, w))  # compiles, first touch
+      self.calls.append((fn, x, w, count))
+      self.flops += 2 * m * d_in * d_out * count
+
+  def __call__(self, repeats: int = 1) -> float:
+    secs = sum(median_time(fn, x, w, repeats=repeats, warm=False) * count
+               for fn, x, w, count in self.calls)
+    return self.flops / secs
+
+
 def step_matmul_rate(cfg: ModelConfig, rows: int, lm_rows: int | None = None,
                      repeats: int = 5, dtype=jnp.float32, native: bool | None = None) -> float:
-  """FLOP/s of XLA's matmuls at a step's own shapes: `rows` token rows through each
-  layer matmul, `lm_rows` (default rows) through the LM head; dtype: of both operands
-  (bf16: float32 accumulation and result, as the model's dense_matmul). native=True: the
-  rate of the native CPU matmul a CPU executor runs such weights on instead
-  (model.params.as_native: bf16 tiles on AMX / AVX512-BF16, f32 AVX-512 panels; x float32,
-  the weight in its packed layout); None (the default): native wherever `native_kernel` says the
-  executor runs one. The compute floor of a step is its FLOPs over the rate of what runs
-  it."""
-  lm_rows = rows if lm_rows is None else lm_rows
-  rng = np.random.default_rng(0)
-  flops = secs = 0.0
-  kernel = native_kernel(cfg, dtype)
-  native = kernel is not None if native is None else native
-  if native and kernel is None:
-    raise ValueError(f"no native CPU matmul runs {jnp.dtype(dtype).name} weights of "
-                     f"{cfg.name} here (native_kernel)")
-  for d_in, d_out, count in weight_matmul_shapes(cfg):
-    m = lm_rows if d_out == cfg.vocab_size else rows
-    x = jnp.asarray(rng.standard_normal((m, d_in), np.float32), dtype)
-    w = jnp.asarray(rng.standard_normal((d_in, d_out), np.float32), dtype)
-    if native:
-      t = median_time(jax.jit(kernel.matmul), x.astype(jnp.float32), kernel.pack(w),
-                      repeats=repeats)
-    else:
-      t = median_time(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
-                      x, w, repeats=repeats)
-    flops += 2 * m * d_in * d_out * count
-    secs += t * count
-  return flops / secs
+  """MatmulRateProbe's FLOP/s, each shape its median of `repeats`."""
+  return MatmulRateProbe(cfg, rows, lm_rows, dtype, native)(repeats)
 
 
 def uniform_step(batch: int, context: int, new_tokens: int = 1, page_size: int = 16,
@@ -195,28 +236,40 @@ def _save_hf(model, out_dir: str) -> None:
                        lambda d: os.path.isfile(os.path.join(d, "model.safetensors")))
 
 
-def hf_decode_step(model, cfg, batch, context, repeats):
-  """Median seconds of HF's decode forward (one token per request, growing cache)."""
-  import torch
-  from transformers import DynamicCache
-  g = torch.Generator().manual_seed(0)
-  K, H = cfg.num_kv_heads, cfg.head_dim
-  dtype = next(model.parameters()).dtype  # the cache in the model's own dtype
-  cache = DynamicCache(config=model.config)
-  for layer in range(cfg.num_layers):
-    cache.update(torch.randn(batch, K, context, H, generator=g).to(dtype),
-                 torch.randn(batch, K, context, H, generator=g).to(dtype), layer)
-  ids = torch.full((batch, 1), 7)
-  ts = []
-  with torch.no_grad():
-    for i in range(repeats + 1):
-      pos = context + i
+class HfDecode:
+  """HF's decode forward, one token per request, on a DynamicCache that starts with
+  `context` random tokens and grows by one each step; each call times one step."""
+
+  def __init__(self, model, cfg, batch: int, context: int):
+    import torch
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(0)
+    K, H = cfg.num_kv_heads, cfg.head_dim
+    dtype = next(model.parameters()).dtype  # the cache in the model's own dtype
+    self.model, self.batch, self.pos = model, batch, context
+    self.cache = DynamicCache(config=model.config)
+    for layer in range(cfg.num_layers):
+      self.cache.update(torch.randn(batch, K, context, H, generator=g).to(dtype),
+                        torch.randn(batch, K, context, H, generator=g).to(dtype), layer)
+    self.ids = torch.full((batch, 1), 7)
+    self()  # untimed: its first step
+
+  def __call__(self) -> float:
+    import torch
+    with torch.no_grad():
       t = time.perf_counter()
-      model(input_ids=ids, past_key_values=cache, use_cache=True,
-            attention_mask=torch.ones(batch, pos + 1, dtype=torch.long),
-            position_ids=torch.full((batch, 1), pos))
-      ts.append(time.perf_counter() - t)
-  return float(np.median(ts[1:]))
+      self.model(input_ids=self.ids, past_key_values=self.cache, use_cache=True,
+                 attention_mask=torch.ones(self.batch, self.pos + 1, dtype=torch.long),
+                 position_ids=torch.full((self.batch, 1), self.pos))
+      t = time.perf_counter() - t
+    self.pos += 1
+    return t
+
+
+def hf_decode_step(model, cfg, batch, context, repeats):
+  """Median seconds of HF's decode forward (HfDecode) over `repeats` consecutive steps."""
+  step = HfDecode(model, cfg, batch, context)
+  return float(np.median([step() for _ in range(repeats)]))
 
 
 def hf_prefill(model, n, repeats):

@@ -13,6 +13,10 @@ Floors of a step, from measurements made in the same run:
   bandwidth floor = (weight bytes read + the step's KV bytes) / measured read bandwidth
   compute floor   = the step's weight-matmul FLOPs / measured f32 matmul FLOP/s at the
                     step's own shapes + its attention FLOPs / the 2048^3 matmul rate
+Each cell runs in rounds: the read bandwidth and the matmul rates at the step's shapes are
+measured again in every round, beside one HF step and one step of each executor, and every
+ratio (x floor, x HF) is the median of the rounds' own ratios; the floors and times printed
+are medians over the rounds.
 (attention used to be charged at the weight matmuls' rate; at batch 1 that rate is
 bandwidth-bound, so the "floor" sat above what the native decode call achieves)
 Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
@@ -108,7 +112,9 @@ def main(argv):
   tiles = bm.native_kernel(cfg, jax.numpy.bfloat16) if ("dense", "bfloat16") in variants \
       else None
   pan = bm.native_kernel(cfg, jax.numpy.float32) is not None
-  bw = bm.measure_read_bandwidth(512, FLAGS.repeats)
+  probe = bm.ReadProbe(512)  # the read bandwidth, taken again in every round of every cell
+  bw = probe.bytes / float(np.median(np.array([probe.seconds() for _ in range(
+      FLAGS.repeats)]), axis=0).min())
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "
@@ -124,22 +130,24 @@ def main(argv):
     hf_of["bfloat16"] = copy.deepcopy(hf).to(torch.bfloat16)
   lc = bm.llama_cpp_model(m.source, max(contexts + [int(x) for x in FLAGS.prefill_lens if x])
                           + 64) if FLAGS.llama_cpp else None
-  rates = {}
+  rate_probes = {}
 
-  def rate(rows, lm_rows, dtype="float32", native=False):
-    if (rows, lm_rows, dtype, native) not in rates:
-      rates[rows, lm_rows, dtype, native] = bm.step_matmul_rate(
-          cfg, rows, lm_rows, FLAGS.repeats, dtype=jax.numpy.dtype(dtype), native=native)
-    return rates[rows, lm_rows, dtype, native]
+  def rate_probe(key):  # (rows, lm rows, dtype, native) -> its MatmulRateProbe, built once
+    if key not in rate_probes:
+      rows_, lm_rows, dtype, native = key
+      rate_probes[key] = bm.MatmulRateProbe(cfg, rows_, lm_rows, jax.numpy.dtype(dtype),
+                                            native)
+    return rate_probes[key]
 
   rows, skipped = [], []
   for ctx in contexts:
     for B in batches:
       step, num_pages = bm.uniform_step(B, ctx, 1, ps, page_width=FLAGS.page_width)
       seqs = [(1, ctx)] * B
-      cell = []  # (row without its time, (params, kv_format, backend)) of every KV format
-      # and variant
-      th, tl = {}, None
+      cell = []  # (row without its times, (params, kv_format, backend), floor terms) of every
+      # KV format and variant; floor terms: (bytes, weight-matmul FLOPs, attention FLOPs, the
+      # rate probe's key or None: the 2048^3 rate)
+      tl = None
       for kv_format in FLAGS.kv_formats:
         costs = ModelCosts(cfg, 4.0, kv_format, ps)
         pool_gib = B * (ctx + 1 + ps) * bytes_per_token(cfg, kv_format, ps) / 2**30
@@ -147,56 +155,79 @@ def main(argv):
           skipped.append(f"{kv_format} batch {B} context {ctx}: pool {pool_gib:.1f} GiB")
           continue
         attn = costs.attention_flops(seqs)
-        floors = {("dense", "float32"): (costs.step_bytes(seqs) / bw, (
-            costs.step_flops(seqs) - attn) / rate(B, B, native=pan) + attn / peak),
-                  # gguf: XLA's f32 rate at these shapes is no floor for the block call
-                  ("gguf", "float32"): ((costs.step_bytes(seqs) - costs.d_w + block_bytes)
-                                        / bw, costs.step_flops(seqs) / peak)}
+        mm = costs.step_flops(seqs) - attn
+        terms = {("dense", "float32"): (costs.step_bytes(seqs), mm, attn,
+                                        (B, B, "float32", pan)),
+                 # gguf: XLA's f32 rate at these shapes is no floor for the block call
+                 ("gguf", "float32"): (costs.step_bytes(seqs) - costs.d_w + block_bytes,
+                                       mm + attn, 0.0, None)}
         if "bfloat16" in FLAGS.dtypes:  # the tile call's rate where it runs the step,
           # else XLA's at >= 16 rows (fewer are padded to 16)
           r16 = B if tiles else max(B, 16)
-          bf16_bytes = ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs)
-          floors["dense", "bfloat16"] = (bf16_bytes / bw, (costs.step_flops(seqs) - attn) /
-                                         rate(r16, r16, "bfloat16", tiles is not None)
-                                         + attn / peak)
-        if kv_format == "f32":
-          for dt, h in hf_of.items():
-            if h is not None:
-              th[dt] = bm.hf_decode_step(h, cfg, B, ctx, FLAGS.repeats)
-          if lc is not None and B == 1:
-            tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
+          terms["dense", "bfloat16"] = (ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs),
+                                        mm, attn, (r16, r16, "bfloat16", tiles is not None))
+        if kv_format == "f32" and lc is not None and B == 1:
+          tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for (wf, dt), backend in itertools.product(variants, FLAGS.attention):
           if wf == "gguf" and B > transformer.BLOCK_MATMUL_MAX_TOKENS:
             continue  # such a step multiplies by the dense weights: the dense row
-          bw_floor, c_floor = floors[wf, dt]
-          h = th.get(dt) if kv_format == "f32" else None  # HF in the row's own dtype
           r = {"attention": backend, "weights": wf, "dtype": dt, "kv_format": kv_format,
-               "batch": B, "context": ctx, "bandwidth_floor_ms": 1e3 * bw_floor,
-               "compute_floor_ms": 1e3 * c_floor, "hf_step_ms": None if h is None else 1e3 * h,
+               "batch": B, "context": ctx,
                "llama_cpp_step_ms": None if tl is None or kv_format != "f32" else 1e3 * tl}
-          cell.append((r, (params_of[wf, dt], kv_format, backend)))
+          cell.append((r, (params_of[wf, dt], kv_format, backend), terms[wf, dt]))
 
       def make(spec):
         params, kv_format, backend = spec
         return JaxExecutor(cfg, params, num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
 
-      if FLAGS.alternate:  # every row's executor at once, their steps in turn
-        times = bm.time_steps([make(spec) for _, spec in cell], step, FLAGS.repeats)
-      else:
-        times = [bm.time_step(make(spec), step, FLAGS.repeats) for _, spec in cell]
-      for (r, _), t in zip(cell, times):
-        f32_kv = r["kv_format"] == "f32"  # HF runs f32 KV: its rows only
-        h, hf32 = (th.get(r["dtype"]), th.get("float32")) if f32_kv else (None, None)
-        r.update({"step_ms": 1e3 * t, "tok_s": B / t,
-                  "over_floor": 1e3 * t / max(r["bandwidth_floor_ms"], r["compute_floor_ms"]),
-                  "over_hf": None if h is None else h / t,
-                  "over_hf_f32": None if hf32 is None else hf32 / t})
-        rows.append(r)
-        print(f"decode {r['attention']} {r['weights']} {r['dtype']} {r['kv_format']} batch {B} "
-              f"context {ctx}: {r['step_ms']:.1f} ms "
-              f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
-              file=sys.stderr, flush=True)
+      # Rounds: each takes the read bandwidth, the matmul rates at the step's shapes, one HF
+      # step per dtype and one step of each executor, in turn; a row's ratios are the median
+      # of its rounds' ratios, so each compares figures taken within about a second of each
+      # other (on this VM the probes alone moved by up to 1.7x between runs).
+      # --alternate: one group holding every row's executor; else a group per row.
+      groups = [list(range(len(cell)))] if FLAGS.alternate else [[i] for i in range(len(cell))]
+      for group in groups:
+        exs = {i: make(cell[i][1]) for i in group}
+        for ex in exs.values():
+          ex.execute(step)  # compiles
+        # HF rows: f32 KV only; each in its own dtype, and f32 for over_hf_f32
+        hf_dts = {d for i in group if cell[i][0]["kv_format"] == "f32"
+                  for d in (cell[i][0]["dtype"], "float32") if hf_of.get(d) is not None}
+        hfs = {d: bm.HfDecode(hf_of[d], cfg, B, ctx) for d in sorted(hf_dts)}
+        keys = {cell[i][2][3] for i in group} - {None}
+        got = {i: [] for i in group}  # (step s, bandwidth floor s, compute floor s, HF s of
+        # the row's dtype, HF f32 s)
+        for _ in range(FLAGS.repeats):
+          bw_r = probe()
+          rate_r = {k: rate_probe(k)(3) for k in keys}
+          hf_r = {d: h() for d, h in hfs.items()}
+          for i in group:
+            t = time.perf_counter()
+            exs[i].execute(step)
+            t = time.perf_counter() - t
+            r, _, (nbytes, mm, attn, key) = cell[i]
+            f32_kv = r["kv_format"] == "f32"
+            got[i].append((t, nbytes / bw_r,
+                           mm / (peak if key is None else rate_r[key]) + attn / peak,
+                           hf_r.get(r["dtype"]) if f32_kv else None,
+                           hf_r.get("float32") if f32_kv else None))
+        del exs, hfs
+        for i in group:
+          r, g = cell[i][0], got[i]
+          med = lambda xs: None if xs[0] is None else float(np.median(xs))  # noqa: E731
+          t, bwf, cf, h, h32 = (med([x[j] for x in g]) for j in range(5))
+          r.update({"step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bwf,
+                    "compute_floor_ms": 1e3 * cf, "hf_step_ms": None if h is None else 1e3 * h,
+                    "over_floor": med([x[0] / max(x[1], x[2]) for x in g]),
+                    "over_hf": None if h is None else med([x[3] / x[0] for x in g]),
+                    "over_hf_f32": None if h32 is None else med([x[4] / x[0] for x in g]),
+                    "probe_read_gbs": cell[i][2][0] / bwf / 1e9})
+          rows.append(r)
+          print(f"decode {r['attention']} {r['weights']} {r['dtype']} {r['kv_format']} "
+                f"batch {B} context {ctx}: {r['step_ms']:.1f} ms "
+                f"(floor x{r['over_floor']:.2f}, HF {_fmt(r['hf_step_ms'])} ms)",
+                file=sys.stderr, flush=True)
   # the table by KV format, then context and batch, as the runs were once made
   rows.sort(key=lambda r: FLAGS.kv_formats.index(r["kv_format"]))
 
@@ -215,14 +246,15 @@ def main(argv):
       # their ratio taken per round: one rate beside a median of steps gave 0.48-0.79 in
       # runs an hour apart on this VM, whose speed drifts within minutes
       ex.execute(step)  # compiles
+      rate_n = bm.MatmulRateProbe(cfg, n, 1, native=pan)
       ts, rates_n = [], []
       for _ in range(max(2, FLAGS.repeats // 2)):
         t0 = time.perf_counter()
         ex.execute(step)
         ts.append(time.perf_counter() - t0)
-        rates_n.append(bm.step_matmul_rate(cfg, n, 1, 1, native=pan))
+        rates_n.append(rate_n(1))
       t = float(np.median(ts))
-      del ex
+      del ex, rate_n
       pre.append({"attention": backend, "tokens": n, "cached": c0, "ms": 1e3 * t,
                   "gflop_s": flops / t / 1e9,
                   "of_step_matmul_rate": float(np.median(
