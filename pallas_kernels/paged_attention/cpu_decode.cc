@@ -55,7 +55,8 @@ constexpr int64_t kChunkTokens = 1024;
 // order, 2026-12-02), none / 3 / 4 / 6 / 8 pages of 16 ahead: batch 16 / 4096 200.8 /
 // 164.0 / 159.9 / 161.2 / 159.8 ms, batch 64 / 1024 281.5 / 257.1 / 260.0 / 265.4 / 257.6;
 // in another run none / 2 / 4: batch 16 / 1024 71.7 / 66.7 / 65.6, batch 1 / 4096 28.3 /
-// 27.8 / 27.6.
+// 27.8 / 27.6. On AMD CPUs only (native_items.h's FetchAhead: on an Intel Sapphire Rapids
+// VM the same look-ahead made steps 8-11% slower).
 constexpr int64_t kDeepTokens = 64;
 // Vector registers the compiler may use (AVX-512VL gives 8-float vectors 32 of them).
 #ifdef __AVX512VL__
@@ -86,7 +87,8 @@ struct Args {
   // for the merge after the call's items are done.
   int64_t splits = 1;
   float* part = nullptr;
-  int64_t deep = 2;  // pages ahead of the one read whose rows go to L2 (kDeepTokens)
+  int64_t deep = 0;  // pages ahead of the one read whose rows go to L2 (kDeepTokens;
+  // 0: none, FetchAhead)
 };
 
 // An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
@@ -154,6 +156,7 @@ inline DeepPage Deep(const Args& a, int64_t r, int64_t lk, int64_t c0, int64_t n
   auto pages = [&](int64_t c, int64_t e) {
     return ((e - c < chunk ? e - c : chunk) + ps - 1) / ps;
   };
+  if (a.deep == 0) return {};  // FetchAhead: not on this CPU
   int64_t t = j + a.deep;
   const int64_t np = pages(c0, n);
   if (!v) {
@@ -513,7 +516,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.kp.scales = k_scales.untyped_data();
   a.vp.scales = v_scales.untyped_data();
   sh->fn = Select(a.H, a.G);
-  a.deep = std::max<int64_t>(2, kDeepTokens / a.kp.ps);
+  a.deep = FetchAhead() ? std::max<int64_t>(2, kDeepTokens / a.kp.ps) : 0;
 
   int64_t tokens = 0, longest = 0;
   for (int64_t r = 0; r < a.R; ++r) {
