@@ -181,8 +181,8 @@ def main(argv):
         return JaxExecutor(cfg, params, num_pages=num_pages, page_size=ps,
                            kv_format=kv_format, backend=backend)
 
-      # Rounds: each takes the read bandwidth, the matmul rates at the step's shapes, one HF
-      # step per dtype and one step of each executor, in turn; a row's ratios are the median
+      # Rounds: each takes the read bandwidth, the matmul rates at the step's shapes, one step
+      # of each executor and one HF step per dtype, in turn; a row's ratios are the median
       # of its rounds' ratios, so each compares figures taken within about a second of each
       # other (on this VM the probes alone moved by up to 1.7x between runs).
       # --alternate: one group holding every row's executor; else a group per row.
@@ -201,14 +201,19 @@ def main(argv):
         for _ in range(FLAGS.repeats):
           bw_r = probe()
           rate_r = {k: rate_probe(k)(3) for k in keys}
-          hf_r = {d: h() for d, h in hfs.items()}
+          ts = {}
           for i in group:
             t = time.perf_counter()
             exs[i].execute(step)
-            t = time.perf_counter() - t
+            ts[i] = time.perf_counter() - t
+          hf_r = {d: h() for d, h in hfs.items()}
+          if hfs:  # torch's threads keep spinning after a forward: measured, a step of ours
+            # right after one took 20% longer (batch 1 / 4096 32.5 vs 27.7 ms 50 ms later)
+            time.sleep(0.1)
+          for i in group:
             r, _, (nbytes, mm, attn, key) = cell[i]
             f32_kv = r["kv_format"] == "f32"
-            got[i].append((t, nbytes / bw_r,
+            got[i].append((ts[i], nbytes / bw_r,
                            mm / (peak if key is None else rate_r[key]) + attn / peak,
                            hf_r.get(r["dtype"]) if f32_kv else None,
                            hf_r.get("float32") if f32_kv else None))
