@@ -30,6 +30,19 @@ def test_smollm2_logits_match_hf(smollm2, hf_smollm2):
   assert _rel(ours, ref) < 1e-4
 
 
+def test_hf_decode_peer_grows_its_cache_one_token_a_step(smollm2, hf_smollm2):
+  """bench_decode's HF peer (benchmarking.HfDecode): every call is one timed forward of one
+  token per request at the next position, on a cache that starts at `context` tokens (the
+  constructor takes one untimed step), so a cell's rounds decode at a growing context as
+  HF's own generate does."""
+  from jaxinfer.benchmarking import HfDecode
+  step = HfDecode(hf_smollm2, smollm2.cfg, 2, 16)  # one untimed step inside
+  assert step.cache.get_seq_length() == 17 and step.pos == 17
+  times = [step() for _ in range(2)]
+  assert all(t > 0 for t in times)
+  assert step.cache.get_seq_length() == 19 and step.pos == 19
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2, hf_smollm2):
   """HF's 32 greedy tokens after PROMPT (computed once for both weight formats)."""
