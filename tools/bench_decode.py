@@ -14,9 +14,10 @@ Floors of a step, from measurements made in the same run:
   compute floor   = the step's weight-matmul FLOPs / measured f32 matmul FLOP/s at the
                     step's own shapes + its attention FLOPs / the 2048^3 matmul rate
 Each cell runs in rounds: the read bandwidth and the matmul rates at the step's shapes are
-measured again in every round, beside one HF step and one step of each executor, and every
-ratio (x floor, x HF) is the median of the rounds' own ratios; the floors and times printed
-are medians over the rounds.
+measured again in every round, then one step of each executor and one HF step per dtype are
+taken (ours first: right after an HF forward torch's threads still spin), and every ratio
+(x floor, x HF) is the median of the rounds' own ratios; the floors and times printed are
+medians over the rounds.
 (attention used to be charged at the weight matmuls' rate; at batch 1 that rate is
 bandwidth-bound, so the "floor" sat above what the native decode call achieves)
 Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
