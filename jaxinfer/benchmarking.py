@@ -64,12 +64,15 @@ class ReadProbe:
   def __call__(self) -> float:
     return self.bytes / min(self.seconds())
 
+  def median(self, repeats: int) -> float:
+    """bytes/s of the faster pattern, each pattern its median of `repeats` runs."""
+    ts = np.array([self.seconds() for _ in range(repeats)])
+    return self.bytes / float(np.median(ts, axis=0).min())
+
 
 def measure_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
   """Best bytes/s over two read-once patterns (ReadProbe), each its median of `repeats`."""
-  probe = ReadProbe(mib)
-  ts = np.array([probe.seconds() for _ in range(repeats)])
-  return probe.bytes / float(np.median(ts, axis=0).min())
+  return ReadProbe(mib).median(repeats)
 
 
 def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:

@@ -196,9 +196,9 @@ inline void SixRowPasses(int64_t M, Pass pass) {
 // there); on an Intel Xeon (Sapphire Rapids, 2026-12-02, 7-9 each) both lost: without the
 // pages ahead batch 16 / 4096 226.7 -> 207.9 and 250.9 -> 230.1 ms, 64 / 1024 295.3 ->
 // 263.8, and with the pages shuffled 244.1 -> 221.5 and 334.7 -> 320.0; without the weights
-// ahead batch 16 / 256 54.7 -> 51.5, batch 64 within noise. (Intel's software prefetches
-// hold a line-fill buffer each until the line arrives, and its L2 streamer already runs
-// ahead of in-order reads.)
+// ahead batch 16 / 256 54.7 -> 51.5, batch 64 within noise. (perf on the Intel VM: 65% of
+// the decode call's samples sat on the instruction after a software prefetch, the stall of
+// a core whose line-fill buffers are all waiting.)
 inline bool FetchAhead() {
 #if defined(__x86_64__)
   static const bool amd = [] {

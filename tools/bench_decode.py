@@ -85,6 +85,14 @@ def main(argv):
       raise app.UsageError(f"--attention: unknown backend {backend!r}")
   batches = [int(b) for b in FLAGS.batch_sizes]
   contexts = [int(c) for c in FLAGS.contexts]
+  if FLAGS.repeats < 1:
+    raise app.UsageError(f"--repeats must be >= 1 (rounds per cell), got {FLAGS.repeats}")
+  for b in batches:
+    if b < 1:
+      raise app.UsageError(f"--batch_sizes: each must be >= 1, got {b}")
+  for c in contexts:
+    if c < 0:
+      raise app.UsageError(f"--contexts: each must be >= 0, got {c}")
   ps = 16
   for wf in FLAGS.weight_formats:
     if wf not in ("dense", "gguf"):
@@ -114,8 +122,7 @@ def main(argv):
       else None
   pan = bm.native_kernel(cfg, jax.numpy.float32) is not None
   probe = bm.ReadProbe(512)  # the read bandwidth, taken again in every round of every cell
-  bw = probe.bytes / float(np.median(np.array([probe.seconds() for _ in range(
-      FLAGS.repeats)]), axis=0).min())
+  bw = probe.median(FLAGS.repeats)
   peak = bm.measure_matmul_flops(2048, FLAGS.repeats)
   print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, f32 matmul 2048^3 {peak / 1e9:.0f} "
         f"GFLOP/s, {os.cpu_count()} cores; model {FLAGS.model} f32, attention "

@@ -218,7 +218,7 @@ JX_AMX void TileItem(const Args& a, int64_t item, int64_t, Scratch* s) {
     Configure();
     s->configured = true;
   }
-  const int64_t j0 = item * kGroup, nb = a.it.Blocks(item);  // AMX: one part per group
+  const int64_t g = a.it.Group(item), j0 = g * kGroup, nb = a.it.Blocks(g);
   for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
     switch (nb) {
       case 1: Tile<1>(a, m0, j0, s->tmp); break;
