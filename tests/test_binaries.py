@@ -229,6 +229,7 @@ def test_bench_decode_small(tmp_path):
   # The step reads at least the weights: it cannot beat the measured bandwidth floor by
   # much (20% allowed for the bandwidth probe's own noise).
   assert r["step_ms"] > 0.8 * r["bandwidth_floor_ms"] > 0
+  assert r["hf_step_ms"] is None and r["hf_over_floor"] is None  # --hf=false: no HF ratios
   assert "skipped (--max_pool_gib" in out
   assert (tmp_path / "bench_decode.png").stat().st_size > 5_000
   h = d["host_time"][0]  # two requests decoding together: host time is a small share
