@@ -20,6 +20,11 @@ taken (ours first: right after an HF forward torch's threads still spin), and ev
 medians over the rounds. 'HF/floor' is HF's step over max(floors) in the same rounds: the
 'x HF' of a step exactly at its floor, the most any engine that reads the weights and the KV
 once at the measured bandwidth (or computes at the measured matmul rate) could show here.
+  serial floor    = KV bytes / read bandwidth + max(weight bytes / read bandwidth, weight-
+                    matmul FLOPs / the matmul rate at the step's shapes)
+a step whose attention and weight matmuls each run at their floor, one after the other;
+'serial/floor' is it over max(floors): where it exceeds 1.5, 1.5x of max(floors) needs the KV
+read to overlap the matmuls.
 (attention used to be charged at the weight matmuls' rate; at batch 1 that rate is
 bandwidth-bound, so the "floor" sat above what the native decode call achieves)
 Combinations whose KV pool exceeds --max_pool_gib are skipped and listed.
@@ -156,7 +161,7 @@ def main(argv):
       seqs = [(1, ctx)] * B
       cell = []  # (row without its times, (params, kv_format, backend), floor terms) of every
       # KV format and variant; floor terms: (bytes, weight-matmul FLOPs, attention FLOPs, the
-      # rate probe's key or None: the 2048^3 rate)
+      # rate probe's key or None: the 2048^3 rate, the KV bytes among the bytes)
       tl = None
       for kv_format in FLAGS.kv_formats:
         costs = ModelCosts(cfg, 4.0, kv_format, ps)
@@ -166,16 +171,16 @@ def main(argv):
           continue
         attn = costs.attention_flops(seqs)
         mm = costs.step_flops(seqs) - attn
+        kv = costs.step_bytes(seqs) - costs.d_w
         terms = {("dense", "float32"): (costs.step_bytes(seqs), mm, attn,
-                                        (B, B, "float32", pan)),
+                                        (B, B, "float32", pan), kv),
                  # gguf: XLA's f32 rate at these shapes is no floor for the block call
-                 ("gguf", "float32"): (costs.step_bytes(seqs) - costs.d_w + block_bytes,
-                                       mm + attn, 0.0, None)}
+                 ("gguf", "float32"): (kv + block_bytes, mm + attn, 0.0, None, kv)}
         if "bfloat16" in FLAGS.dtypes:  # the tile call's rate where it runs the step,
           # else XLA's at >= 16 rows (fewer are padded to 16)
           r16 = B if tiles else max(B, 16)
           terms["dense", "bfloat16"] = (ModelCosts(cfg, 2.0, kv_format, ps).step_bytes(seqs),
-                                        mm, attn, (r16, r16, "bfloat16", tiles is not None))
+                                        mm, attn, (r16, r16, "bfloat16", tiles is not None), kv)
         if kv_format == "f32" and lc is not None and B == 1:
           tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for (wf, dt), backend in itertools.product(variants, FLAGS.attention):
@@ -207,7 +212,7 @@ def main(argv):
         hfs = {d: bm.HfDecode(hf_of[d], cfg, B, ctx) for d in sorted(hf_dts)}
         keys = {cell[i][2][3] for i in group} - {None}
         got = {i: [] for i in group}  # (step s, bandwidth floor s, compute floor s, HF s of
-        # the row's dtype, HF f32 s)
+        # the row's dtype, HF f32 s, serial floor s)
         for _ in range(FLAGS.repeats):
           bw_r = probe()
           rate_r = {k: rate_probe(k)(3) for k in keys}
@@ -221,19 +226,22 @@ def main(argv):
             # right after one took 20% longer (batch 1 / 4096 32.5 vs 27.7 ms 50 ms later)
             time.sleep(0.1)
           for i in group:
-            r, _, (nbytes, mm, attn, key) = cell[i]
+            r, _, (nbytes, mm, attn, key, kv) = cell[i]
             f32_kv = r["kv_format"] == "f32"
-            got[i].append((ts[i], nbytes / bw_r,
-                           mm / (peak if key is None else rate_r[key]) + attn / peak,
+            mm_s = mm / (peak if key is None else rate_r[key])
+            got[i].append((ts[i], nbytes / bw_r, mm_s + attn / peak,
                            hf_r.get(r["dtype"]) if f32_kv else None,
-                           hf_r.get("float32") if f32_kv else None))
+                           hf_r.get("float32") if f32_kv else None,
+                           kv / bw_r + max((nbytes - kv) / bw_r, mm_s)))
         del exs, hfs
         for i in group:
           r, g = cell[i][0], got[i]
           med = lambda xs: None if xs[0] is None else float(np.median(xs))  # noqa: E731
-          t, bwf, cf, h, h32 = (med([x[j] for x in g]) for j in range(5))
+          t, bwf, cf, h, h32, sf = (med([x[j] for x in g]) for j in range(6))
           r.update({"step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bwf,
                     "compute_floor_ms": 1e3 * cf, "hf_step_ms": None if h is None else 1e3 * h,
+                    "serial_floor_ms": 1e3 * sf,
+                    "serial_over_floor": med([x[5] / max(x[1], x[2]) for x in g]),
                     "over_floor": med([x[0] / max(x[1], x[2]) for x in g]),
                     "over_hf": None if h is None else med([x[3] / x[0] for x in g]),
                     "over_hf_f32": None if h32 is None else med([x[4] / x[0] for x in g]),
@@ -288,7 +296,7 @@ def main(argv):
   print(f"{'attention':>9} {'weights':>7} {'dtype':>8} {'kv':>5} {'batch':>5} {'ctx':>5} "
         f"{'jaxinfer':>9} "
         f"{'tok/s':>8} {'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} "
-        f"{'HF/floor':>8} {'llama.cpp':>9}")
+        f"{'HF/floor':>8} {'serial/floor':>12} {'llama.cpp':>9}")
   for r in rows:
     print(f"{r['attention']:>9} {r['weights']:>7} {r['dtype']:>8} {r['kv_format']:>5} "
           f"{r['batch']:>5} "
@@ -296,7 +304,8 @@ def main(argv):
           f"{r['step_ms']:>9.1f} "
           f"{r['tok_s']:>8.1f} {r['bandwidth_floor_ms']:>9.1f} {r['compute_floor_ms']:>9.1f} "
           f"{r['over_floor']:>7.2f} {_fmt(r['hf_step_ms']):>8} {_fmt(r['over_hf'], '.2f'):>6} "
-          f"{_fmt(r['hf_over_floor'], '.2f'):>8} {_fmt(r['llama_cpp_step_ms']):>9}")
+          f"{_fmt(r['hf_over_floor'], '.2f'):>8} {r['serial_over_floor']:>12.2f} "
+          f"{_fmt(r['llama_cpp_step_ms']):>9}")
   for s in skipped:
     print(f"skipped (--max_pool_gib={FLAGS.max_pool_gib:g}): {s}")
   print("\nprefill, one request (ms)")
