@@ -292,7 +292,8 @@ def main(argv):
 
   print("\nsteady decode step (ms); floors from this run; 'x floor' = step / max(floors); "
         "'x HF' = HF step (in the row's dtype) / ours; 'HF/floor' = HF step / max(floors), "
-        "the 'x HF' of a step at its floor")
+        "the 'x HF' of a step at its floor; 'serial/floor' = (KV read floor + the larger of "
+        "the weights' read and matmul floors) / max(floors)")
   print(f"{'attention':>9} {'weights':>7} {'dtype':>8} {'kv':>5} {'batch':>5} {'ctx':>5} "
         f"{'jaxinfer':>9} "
         f"{'tok/s':>8} {'bw floor':>9} {'cmp floor':>9} {'x floor':>7} {'HF':>8} {'x HF':>6} "
