@@ -387,3 +387,32 @@ def test_plan_tp_on_pcie_and_nvlink():
   bad = subprocess.run([sys.executable, "-m", "experiments.plan", "tp", "--tp=3"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert bad.returncode != 0 and "possible: [1, 2, 4, 8]" in bad.stderr
+
+
+def test_attend_harness_builds_and_reads(tmp_path):
+  """tools/attend_harness.cc compiles against the decode call's current source (it includes
+  cpu_decode.cc, so a changed Attend breaks it here, not in a later session), prints a read
+  rate for each of its five passes, and refuses an empty batch naming its arguments."""
+  import pathlib
+  import re
+  import shutil
+  import jaxlib
+  from pallas_kernels import native
+  cxx = shutil.which("g++") or shutil.which("c++")
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  exe = tmp_path / "attend_harness"
+  root = pathlib.Path(ROOT)
+  # the library's flags for this CPU, at -O1: -O3 took 40 s here, and speed is not tested
+  flags = [("-O1" if f == "-O3" else f) for f in native._flags() if f not in ("-shared", "-fPIC")]
+  jax_inc = pathlib.Path(jaxlib.__file__).parent / "include"
+  subprocess.run([cxx, *flags, "-w", "-I", str(root / "pallas_kernels"), "-I", str(jax_inc),
+                  str(root / "tools" / "attend_harness.cc"), "-o", str(exe)],
+                 check=True, timeout=300)
+  out = subprocess.run([str(exe), "2", "64"], capture_output=True, text=True, check=True,
+                       timeout=60).stdout
+  rates = [float(x) for x in re.findall(r"([0-9.]+) GB/s", out)]
+  assert len(rates) == 5 and all(r > 0 for r in rates), out
+  assert "out[5] = " in out
+  bad = subprocess.run([str(exe), "0", "64"], capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2 and "SLOTS and CONTEXT must be >= 1" in bad.stderr
