@@ -191,7 +191,7 @@ inline Ahead Next(const Args& a, int64_t r, int64_t lk, int64_t t0, int64_t n, A
 // SmolLM2 (H / 8 = 8, G = 3): 2 with AVX2's 16 registers, 4 with AVX-512's 32 (two passes
 // over a page's V rows instead of four; with 1024-token chunks, batch 16 / context 4096:
 // 134-142 ms against 231-235 for the AVX2 build, builds run one after the other,
-// 2026-12-02).
+// 2026-12-02; AVX-512 builds now use ZmmBlock's 16-float blocks where the shape is known).
 constexpr int64_t ColumnBlock(int hv, int g) {
   int64_t cb = 1;
   for (int64_t c = 1; hv && g && c <= hv && (g + 1) * c + 1 <= kVecRegs; ++c)
