@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -362,55 +363,44 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       const float* vr[64];
       for (int64_t o = 0; o < cnt; ++o) vr[o] = a.vp.Row(lk, page, o, vpage + o * kMaxH);
       const float vs = a.vp.PageScale(lk, page);  // fp8: folded into the weights
-      constexpr int64_t CB = ColumnBlock(HV, GG);
+      // acc += s V a block of NB vectors of W floats at a time, tokens innermost
+      auto v_blocks = [&](auto width, auto nb) {
+        using VW = Vecs<decltype(width)::value>;
+        constexpr int64_t W = decltype(width)::value, NB = decltype(nb)::value;
+        for (int64_t b = 0; b < hv * 8 / W; b += NB) {
+          typename VW::T ac[kMaxG][NB];
+          float* accg[kMaxG];
+          for (int64_t g = 0; g < G; ++g) {
+            accg[g] = reinterpret_cast<float*>(&acc[g][0]) + W * b;
+            for (int64_t j = 0; j < NB; ++j) ac[g][j] = VW::Load(accg[g] + W * j);
+          }
+          const int64_t vpf = b == 0 ? vcnt : 0;
+          for (int64_t o = 0; o < cnt; ++o) {
+            if (o < vpf) a.vp.PrefetchRows(lk, vnext, o, o + 1);
+            if (b == 0 && vdp.pool) vdp.pool->PrefetchRows<2>(vdp.lk, vdp.page, o, o + 1);
+            typename VW::T vc[NB];
+            for (int64_t j = 0; j < NB; ++j) vc[j] = VW::Load(vr[o] + W * (b + j));
+            for (int64_t g = 0; g < G; ++g) {
+              const float sw = s[g][p0 + o] * vs;
+              for (int64_t j = 0; j < NB; ++j) ac[g][j] += sw * vc[j];
+            }
+          }
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < NB; ++j) VW::Store(accg[g] + W * j, ac[g][j]);
+        }
+      };
 #if defined(__AVX512F__)
       // 16-float vectors: SmolLM2's V rows in one pass, not two. Alternated steps, Intel VM:
       // batch 16 / 4096 f32 261.2 -> 237.7 ms (259.4 -> 257.0 in the other order), bf16 223.0
       // -> 212.7, bf16 16 / 1024 82.7 -> 72.2; one thread (tools/attend_harness.cc) 5-9%.
       if (HV > 0 && HV % 2 == 0 && GG > 0) {
-        constexpr int64_t ZB = ZmmBlock(HV / 2, GG);
-        for (int64_t b = 0; b < HV / 2; b += ZB) {
-          __m512 az[GG > 0 ? GG : 1][ZB];
-          for (int64_t g = 0; g < GG; ++g)
-            for (int64_t j = 0; j < ZB; ++j)
-              az[g][j] = _mm512_loadu_ps(reinterpret_cast<const float*>(&acc[g][0]) +
-                                         16 * (b + j));
-          const int64_t vpf = b == 0 ? vcnt : 0;
-          for (int64_t o = 0; o < cnt; ++o) {
-            if (o < vpf) a.vp.PrefetchRows(lk, vnext, o, o + 1);
-            if (b == 0 && vdp.pool) vdp.pool->PrefetchRows<2>(vdp.lk, vdp.page, o, o + 1);
-            __m512 vz[ZB];
-            for (int64_t j = 0; j < ZB; ++j) vz[j] = _mm512_loadu_ps(vr[o] + 16 * (b + j));
-            for (int64_t g = 0; g < GG; ++g) {
-              const __m512 w = _mm512_set1_ps(s[g][p0 + o] * vs);
-              for (int64_t j = 0; j < ZB; ++j) az[g][j] = _mm512_fmadd_ps(w, vz[j], az[g][j]);
-            }
-          }
-          for (int64_t g = 0; g < GG; ++g)
-            for (int64_t j = 0; j < ZB; ++j)
-              _mm512_storeu_ps(reinterpret_cast<float*>(&acc[g][0]) + 16 * (b + j), az[g][j]);
-        }
+        v_blocks(std::integral_constant<int, 16>{},
+                 std::integral_constant<int64_t, ZmmBlock(HV / 2, GG)>{});
         continue;
       }
 #endif
-      for (int64_t b = 0; b < hv; b += CB) {
-        V8 ac[kMaxG][CB];
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < CB; ++j) ac[g][j] = acc[g][b + j];
-        const int64_t vpf = b == 0 ? vcnt : 0;
-        for (int64_t o = 0; o < cnt; ++o) {
-          if (o < vpf) a.vp.PrefetchRows(lk, vnext, o, o + 1);
-          if (b == 0 && vdp.pool) vdp.pool->PrefetchRows<2>(vdp.lk, vdp.page, o, o + 1);
-          V8 vc[CB];
-          for (int64_t j = 0; j < CB; ++j) vc[j] = Load(vr[o] + 8 * (b + j));
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = s[g][p0 + o] * vs;
-            for (int64_t j = 0; j < CB; ++j) ac[g][j] += w * vc[j];
-          }
-        }
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < CB; ++j) acc[g][b + j] = ac[g][j];
-      }
+      v_blocks(std::integral_constant<int, 8>{},
+               std::integral_constant<int64_t, ColumnBlock(HV, GG)>{});
     }
   }
   if (a.splits > 1) {

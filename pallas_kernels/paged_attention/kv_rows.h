@@ -45,6 +45,24 @@ typedef int32_t V8i __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2)));
 typedef uint8_t U8x8 __attribute__((vector_size(8), aligned(1)));
 
+// Unaligned loads and stores of W-float vectors (cpu_decode.cc's V pass, two widths).
+template <int W>
+struct Vecs;
+template <>
+struct Vecs<8> {
+  using T = V8;
+  static T Load(const float* p) { return *reinterpret_cast<const V8*>(p); }
+  static void Store(float* p, T v) { *reinterpret_cast<V8*>(p) = v; }
+};
+#if defined(__AVX512F__)
+template <>
+struct Vecs<16> {
+  using T = __m512;
+  static T Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, T v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
 struct Pool {
   Format fmt;
   const void* codes;       // [L, K, P, ps, Hc]
