@@ -238,15 +238,15 @@ def main(argv):
           r, g = cell[i][0], got[i]
           med = lambda xs: None if xs[0] is None else float(np.median(xs))  # noqa: E731
           t, bwf, cf, h, h32, sf = (med([x[j] for x in g]) for j in range(6))
+          top = [max(x[1], x[2]) for x in g]  # each round's max(floors)
           r.update({"step_ms": 1e3 * t, "tok_s": B / t, "bandwidth_floor_ms": 1e3 * bwf,
                     "compute_floor_ms": 1e3 * cf, "hf_step_ms": None if h is None else 1e3 * h,
                     "serial_floor_ms": 1e3 * sf,
-                    "serial_over_floor": med([x[5] / max(x[1], x[2]) for x in g]),
-                    "over_floor": med([x[0] / max(x[1], x[2]) for x in g]),
+                    "serial_over_floor": med([x[5] / f for x, f in zip(g, top)]),
+                    "over_floor": med([x[0] / f for x, f in zip(g, top)]),
                     "over_hf": None if h is None else med([x[3] / x[0] for x in g]),
                     "over_hf_f32": None if h32 is None else med([x[4] / x[0] for x in g]),
-                    "hf_over_floor": None if h is None else med([x[3] / max(x[1], x[2])
-                                                                 for x in g]),
+                    "hf_over_floor": None if h is None else med([x[3] / f for x, f in zip(g, top)]),
                     "probe_read_gbs": cell[i][2][0] / bwf / 1e9})
           rows.append(r)
           print(f"decode {r['attention']} {r['weights']} {r['dtype']} {r['kv_format']} "

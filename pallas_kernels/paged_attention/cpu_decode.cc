@@ -186,26 +186,18 @@ inline Ahead Next(const Args& a, int64_t r, int64_t lk, int64_t t0, int64_t n, A
   return h;
 }
 
-// Column vectors per block of the V pass: the most that divide H / 8 and keep the G x CB
-// accumulators, CB V vectors and a weight in the vector registers (one spilled accumulator
-// made every token wait on a store and its reload); 1 where the shape is not known.
-// SmolLM2 (H / 8 = 8, G = 3): 2 with AVX2's 16 registers, 4 with AVX-512's 32 (two passes
-// over a page's V rows instead of four; with 1024-token chunks, batch 16 / context 4096:
-// 134-142 ms against 231-235 for the AVX2 build, builds run one after the other,
-// 2026-12-02; AVX-512 builds now use ZmmBlock's 16-float blocks where the shape is known).
-constexpr int64_t ColumnBlock(int hv, int g) {
+// Column vectors per block of the V pass: the most that divide a row's `vectors` and keep
+// the G x CB accumulators, CB V vectors and a weight in `regs` vector registers (one spilled
+// accumulator made every token wait on a store and its reload); 1 where the shape is not
+// known. SmolLM2 (8 8-float vectors a row, G = 3): 2 with AVX2's 16 registers, 4 with
+// AVX-512's 32 (two passes over a page's V rows instead of four; with 1024-token chunks,
+// batch 16 / context 4096: 134-142 ms against 231-235 for the AVX2 build, builds run one
+// after the other, 2026-12-02). AVX-512F builds take 16-float vectors where the shape is
+// known: SmolLM2 all 4 at once, Qwen3-8B (8 a row, G = 4) 2 blocks of 4.
+constexpr int64_t ColumnBlock(int vectors, int g, int regs = kVecRegs) {
   int64_t cb = 1;
-  for (int64_t c = 1; hv && g && c <= hv && (g + 1) * c + 1 <= kVecRegs; ++c)
-    if (hv % c == 0) cb = c;
-  return cb;
-}
-
-// ColumnBlock for 16-float vectors (AVX-512F builds, known shapes; otherwise ColumnBlock's
-// 8-float blocks): SmolLM2 (4 a row, G = 3) all 4 at once, Qwen3-8B (8, G = 4) 2 blocks of 4.
-constexpr int64_t ZmmBlock(int zv, int g) {
-  int64_t cb = 1;
-  for (int64_t c = 1; zv && g && c <= zv && (g + 1) * c + 1 <= 32; ++c)
-    if (zv % c == 0) cb = c;
+  for (int64_t c = 1; vectors && g && c <= vectors && (g + 1) * c + 1 <= regs; ++c)
+    if (vectors % c == 0) cb = c;
   return cb;
 }
 
@@ -365,8 +357,9 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       const float vs = a.vp.PageScale(lk, page);  // fp8: folded into the weights
       // acc += s V a block of NB vectors of W floats at a time, tokens innermost
       auto v_blocks = [&](auto width, auto nb) {
-        using VW = Vecs<decltype(width)::value>;
-        constexpr int64_t W = decltype(width)::value, NB = decltype(nb)::value;
+        constexpr int W = decltype(width)::value;
+        constexpr int64_t NB = decltype(nb)::value;
+        using VW = Vecs<W>;
         for (int64_t b = 0; b < hv * 8 / W; b += NB) {
           typename VW::T ac[kMaxG][NB];
           float* accg[kMaxG];
@@ -393,9 +386,9 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       // 16-float vectors: SmolLM2's V rows in one pass, not two. Alternated steps, Intel VM:
       // batch 16 / 4096 f32 261.2 -> 237.7 ms (259.4 -> 257.0 in the other order), bf16 223.0
       // -> 212.7, bf16 16 / 1024 82.7 -> 72.2; one thread (tools/attend_harness.cc) 5-9%.
-      if (HV > 0 && HV % 2 == 0 && GG > 0) {
+      if constexpr (HV > 0 && HV % 2 == 0 && GG > 0) {
         v_blocks(std::integral_constant<int, 16>{},
-                 std::integral_constant<int64_t, ZmmBlock(HV / 2, GG)>{});
+                 std::integral_constant<int64_t, ColumnBlock(HV / 2, GG, 32)>{});
         continue;
       }
 #endif
