@@ -7,9 +7,12 @@ per request slot (S = R). Splitting the slots keeps a mixed step (many decodes +
 prefill chunk) from paying R x Q attention work. Padding looks the next size up with
 `bisect`; asking past the largest size raises `BucketError` — nothing is ever truncated.
 
-The default table is small (about 55 shapes for 256 tokens x 64 requests): ladders of
-powers of four and one tier of pages per request, since the attention backends read only
-the pages a request holds whatever the table's width. `jaxinfer.bucket_plan` builds
+Decode-only steps (every request one token) have a ladder of their own, `decode_sizes`:
+such a step runs at T = R = the next decode size, so one user's decode step multiplies one
+row, not the smallest token bucket's 16. Steps that carry a prefill chunk use the token and
+request ladders. The default table: decode sizes 1, 2, 4, ... up to the largest request
+size; token and request ladders of powers of four; one tier of pages per request, since
+the attention backends read only the pages a request holds whatever the table's width. `jaxinfer.bucket_plan` builds
 other ladders (powers of two, linear, exact) and fits one to a trace; `to_json` /
 `from_json` carry a table between the planner, the engine, `LLM` and the CLI.
 """
@@ -39,7 +42,8 @@ def geometric(lo: int, hi: int, ratio: int) -> Tuple[int, ...]:
 
 
 _FIELDS = ("token_sizes", "request_sizes", "page_table_sizes", "query_sizes",
-           "prefill_slot_sizes")
+           "prefill_slot_sizes", "decode_sizes")
+_OPTIONAL = ("query_sizes", "decode_sizes")  # may be empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,9 @@ class BucketTable:
   # tokens per page everywhere else)
   query_sizes: Tuple[int, ...] = ()  # default: (1,) + token sizes
   prefill_slot_sizes: Tuple[int, ...] = ()  # default: powers of two up to max requests
+  # decode-only steps run at T = R = the next of these (empty: they use the token and
+  # request ladders like any step)
+  decode_sizes: Tuple[int, ...] = ()
 
   def __post_init__(self):
     if not self.prefill_slot_sizes:
@@ -76,7 +83,7 @@ class BucketTable:
       v = tuple(sorted(set(raw)))
       if any(x <= 0 for x in v):
         raise ValueError(f"{name} must be positive, got {v}")
-      if not v and name != "query_sizes":
+      if not v and name not in _OPTIONAL:
         raise ValueError(f"{name} must not be empty")
       object.__setattr__(self, name, v)
     if not self.query_sizes:
@@ -84,16 +91,22 @@ class BucketTable:
     if self.prefill_slot_sizes[-1] > self.request_sizes[-1]:
       raise ValueError(f"prefill_slot_sizes {self.prefill_slot_sizes} exceed the largest "
                        f"request size {self.request_sizes[-1]}")
+    top = min(self.request_sizes[-1], self.token_sizes[-1])
+    if self.decode_sizes and self.decode_sizes[-1] > top:
+      raise ValueError(f"decode_sizes {self.decode_sizes} exceed the largest step of one-token "
+                       f"requests, {top} (min of the largest token and request sizes)")
 
   @classmethod
   def default(cls, max_tokens: int = 256, max_requests: int = 64, max_pages: int = 128,
               min_tokens: int = 16, ratio: int = 4) -> "BucketTable":
     """The small default: token sizes min_tokens, x ratio, ... up to max_tokens; request
     and prefill-slot sizes 1, ratio, ... up to max_requests; query sizes 1 + the token
-    sizes; one page tier (max_pages). 256 x 64 x any pages: 55 shapes."""
+    sizes; decode sizes 1, 2, 4, ... up to min(max_requests, max_tokens); one page tier
+    (max_pages). 256 x 64 x any pages: 58 shapes."""
     req = geometric(1, max_requests, ratio)
     return cls(token_sizes=geometric(min_tokens, max_tokens, ratio), request_sizes=req,
-               page_table_sizes=(max_pages,), prefill_slot_sizes=req)
+               page_table_sizes=(max_pages,), prefill_slot_sizes=req,
+               decode_sizes=geometric(1, min(max_requests, max_tokens), 2))
 
   def to_json(self) -> dict:
     return {name: list(getattr(self, name)) for name in _FIELDS}
@@ -112,7 +125,7 @@ class BucketTable:
     unknown = sorted(set(src) - set(_FIELDS))
     if unknown:
       raise ValueError(f"unknown bucket table fields {unknown}; expected {list(_FIELDS)}")
-    missing = [k for k in _FIELDS[:3] if k not in src]
+    missing = [k for k in _FIELDS[:3] if k not in src]  # the others have defaults
     if missing:
       raise ValueError(f"bucket table misses {missing}")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in src.items()})
@@ -144,7 +157,15 @@ class BucketTable:
              max_query_len: int = 1, num_prefill: int = 0, num_logits: int = 0) -> Bucket:
     """num_decode one-token requests plus num_prefill requests of up to max_query_len.
     Logits rows are one per request slot (S = R) unless a step verifies drafts and needs
-    more (S = T)."""
+    more (S = T). A decode-only step (no prefill, one logits row per request) runs at
+    T = R = its decode size when the table has a decode ladder."""
+    if (self.decode_sizes and not num_prefill and num_tokens == num_decode
+        and num_logits <= num_decode):
+      D = self._pick(self.decode_sizes, num_decode, "decode requests per step")
+      return Bucket(num_tokens=D, num_requests=D,
+                    pages_per_request=self._pick(self.page_table_sizes, max(max_pages, 1),
+                                                 "pages per request"),
+                    max_query_len=1, num_logits=D, prefill_slots=0)
     T = self._pick(self.token_sizes, num_tokens, "tokens per step")
     if num_prefill:
       Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)

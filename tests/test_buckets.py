@@ -29,7 +29,10 @@ def _reachable(t, pages=(1,)):
     BucketTable(token_sizes=(8, 32), request_sizes=(1, 4, 8), page_table_sizes=(4,),
                 query_sizes=(1, 4, 32), prefill_slot_sizes=(1, 8)),
     BucketTable(token_sizes=(16, 24), request_sizes=(16,), page_table_sizes=(2,),
-                query_sizes=(24,), prefill_slot_sizes=(1, 2, 16))])
+                query_sizes=(24,), prefill_slot_sizes=(1, 2, 16)),
+    BucketTable(token_sizes=(8, 32), request_sizes=(1, 4, 8), page_table_sizes=(4, 8),
+                decode_sizes=(1, 2, 4, 8)),
+    BucketTable.default(32, 8, 4)])
 def test_all_buckets_is_exactly_what_select_can_return(table):
   """Warm-up compiles every shape a step can run at (a miss compiles mid-run) and none that
   no step can (each costs a compile, ~1.5 s here)."""
@@ -82,3 +85,31 @@ def test_pack_is_padded_and_never_truncates():
   assert a["query_len"].tolist() == [1, 3] and a["query_start"].tolist() == [3, 0]
   with pytest.raises(BucketError, match="tokens per step=9"):
     pack([SeqWork(list(range(9)), 0, [1, 2, 3])], t, page_size=4, num_pages=10)
+
+
+def test_decode_only_steps_run_at_their_own_size():
+  """With a decode ladder a step of d one-token requests runs at T = R = the next decode
+  size (one user's step multiplies one row, not the token ladder's smallest 16); a step
+  that carries a prefill chunk still takes the token and request ladders."""
+  t = BucketTable.default(256, 64, 32)
+  assert t.decode_sizes == (1, 2, 4, 8, 16, 32, 64)
+  for d, want in ((1, 1), (2, 2), (3, 4), (5, 8), (17, 32), (64, 64)):
+    b = t.select(d, d, 3, num_logits=d)
+    assert (b.num_tokens, b.num_requests, b.num_logits, b.prefill_slots) == (want, want, want, 0)
+  mixed = t.select(20, 3, 3, 17, 1)  # 3 decodes + one 17-token chunk
+  assert (mixed.num_tokens, mixed.num_requests, mixed.prefill_slots) == (64, 4, 1)
+  verify = t.select(6, 2, 3, 3, 0, num_logits=6)  # drafts: more logits rows than requests
+  assert verify.num_tokens == 16
+  # a table without a ladder (as older JSON files hold) pads decode to its token ladder
+  old = BucketTable.from_json({k: v for k, v in t.to_json().items() if k != "decode_sizes"})
+  assert old.decode_sizes == () and old.select(1, 1, 3).num_tokens == 16
+  assert BucketTable.from_json(t.to_json()) == t
+  with pytest.raises(ValueError, match="decode_sizes"):
+    BucketTable(token_sizes=(8,), request_sizes=(4,), page_table_sizes=(2,), decode_sizes=(8,))
+
+
+def test_pack_runs_one_decode_at_one_row():
+  t = BucketTable.default(256, 64, 32)
+  step = pack([SeqWork([5], 40, list(range(3)))], t, page_size=16, num_pages=8)
+  assert step.bucket.num_tokens == 1 and step.padding_tokens == 0
+  assert step.arrays["token_ids"].tolist() == [5] and step.arrays["positions"].tolist() == [40]
