@@ -55,8 +55,14 @@ _LOWEST = -(1 << 31)
 
 
 def scale_by_temperature(logits, temperature):
-  """logits [S, V] / temperature [S]; greedy rows (temperature <= 0) unscaled."""
-  return logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  """(logits [S, V] - each row's max) / temperature [S]; greedy rows (temperature <= 0)
+  only shifted. The shift leaves every softmax unchanged and keeps a tiny temperature
+  exact: the most likely tokens scale to 0 and the rest towards -inf, never to +inf (an
+  overflow there turned the weights into NaN and drew the vocabulary's last token), so
+  a temperature near 0 samples what greedy decoding picks."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
+  return shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
 
 def filter_mask(logits, temperature, top_k, top_p, min_p=None, rows=None):

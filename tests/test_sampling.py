@@ -141,3 +141,57 @@ def test_filters_keep_the_sorted_oracles_tokens_without_a_sort():
   for i in range(S):
     assert int(together[i]) in _kept_oracle(np.asarray(logits[i]), *rows[i]), i
     assert draw([i])[0] == together[i], i
+
+
+_SAMPLE = jax.jit(sampling.sample_rows)
+# every legal temperature class: greedy, subnormal, tiny normals, near-greedy, ordinary
+_TEMPS = (0.0, 1e-45, 1e-40, 1e-38, 1e-30, 1e-20, 1e-12, 1e-8, 1e-5, 1e-3, 0.1, 0.7, 1.0, 2.0)
+
+
+def test_every_temperature_samples_an_allowed_token_whatever_the_batch():
+  """Property over temperatures from 0 to 2, subnormals included: each sampled token is
+  one the row's filters keep, with a finite logprob; a temperature near 0 gives greedy's
+  token (a whole batch at 1e-30..1e-12 once drew the vocabulary's last token in most rows:
+  jitted, the unshifted division left huge values that XLA's fused draw mishandled); and
+  a row's token does not change with the rows beside it."""
+  from hypothesis import given, settings, strategies as st
+
+  V = 49152  # SmolLM2's vocabulary, where XLA's fused draw went wrong at 1e-30..1e-12
+  rng = np.random.default_rng(5)
+  base = jnp.asarray(rng.standard_normal((8, V)) * 3, jnp.float32)
+  greedy = np.asarray(sampling.argmax(base))
+  one = lambda v, dt: jnp.full(8, v, dt)  # noqa: E731
+  for T in _TEMPS:  # the whole batch at one temperature, no filter
+    ids, lp, _ = _SAMPLE(base, one(T, jnp.float32), one(0, jnp.int32), one(1.0, jnp.float32),
+                         jnp.arange(8, dtype=jnp.uint32), one(0, jnp.int32), one(-1, jnp.int32))
+    assert np.isfinite(np.asarray(lp)).all(), T
+    if T <= 1e-3:
+      np.testing.assert_array_equal(ids, greedy, err_msg=f"temperature {T}")
+
+  @settings(max_examples=25, deadline=None, derandomize=True)
+  @given(st.lists(st.sampled_from(_TEMPS), min_size=8, max_size=8),
+         st.lists(st.sampled_from((0, 1, 5, 50)), min_size=8, max_size=8),
+         st.lists(st.sampled_from((1.0, 0.9, 0.3)), min_size=8, max_size=8),
+         st.integers(0, 7))
+  def check(temps, ks, ps, mate):
+    t = jnp.asarray(temps, jnp.float32)
+    k = jnp.asarray(ks, jnp.int32)
+    p = jnp.asarray(ps, jnp.float32)
+    seeds = jnp.arange(8, dtype=jnp.uint32)
+    c = jnp.zeros(8, jnp.int32)
+    none = jnp.full(8, -1, jnp.int32)
+    ids, lp, _ = map(np.asarray, _SAMPLE(base, t, k, p, seeds, c, none))
+    _, keep = sampling.filter_mask(base, t, k, p)
+    keep = np.asarray(keep)
+    assert np.isfinite(lp).all()
+    for i, T in enumerate(temps):
+      assert keep[i, ids[i]] or T == 0.0, (T, ks[i], ps[i])
+      if T <= 1e-3:
+        assert ids[i] == greedy[i], T
+    # the same rows with one batch mate's parameters changed: the other rows' tokens stay
+    t2, k2, p2 = t.at[mate].set(1.0), k.at[mate].set(3), p.at[mate].set(0.5)
+    ids2 = np.asarray(_SAMPLE(base, t2, k2, p2, seeds, c, none)[0])
+    others = np.arange(8) != mate
+    np.testing.assert_array_equal(ids2[others], ids[others])
+
+  check()
