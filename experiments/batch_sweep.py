@@ -1,4 +1,4 @@
-"""Batch sweep (SPEC 8-1, 8.6.3): B requests of a fixed prompt length sent at once.
+"""Batch sweep (chapter 8-1, 8.6.3): B requests of a fixed prompt length sent at once.
 
   python -m experiments.batch_sweep --output_dir=out/batch_sweep
   python -m experiments.batch_sweep --config=configs/studies/batch_sweep.py:small  # CI size
@@ -20,7 +20,7 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.plotting import pyplot, save
 
-# SPEC 8-1 sweep (2K in, 256 out, all sent at once): batch -> (tok/s, TTFT s, mean ITL ms)
+# chapter 8-1 sweep (2K in, 256 out, all sent at once): batch -> (tok/s, TTFT s, mean ITL ms)
 CHAPTER = {1: (37, 0.096, 27), 64: (1165, 3.29, 40)}
 
 

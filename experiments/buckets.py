@@ -1,4 +1,4 @@
-"""Bucket strategies as a study (SPEC 8.2.4: static shapes, XLA's answer to CUDA graphs).
+"""Bucket strategies as a study (chapter 8.2.4: static shapes, XLA's answer to CUDA graphs).
 
   python -m experiments.buckets --output_dir=out/buckets
   python -m experiments.buckets --config=configs/studies/buckets.py:small   # CI size
@@ -61,7 +61,7 @@ def _summary(eng, shapes_used=None):
 
 
 def sim_trace(c, name):
-  """The shipped chat trace, or one of SPEC's named workloads (experiments.workloads)."""
+  """The shipped chat trace, or one of the chapter's named workloads (experiments.workloads)."""
   from jaxinfer import bucket_plan as bp
   if name == "chat":
     return bp.load_trace(os.path.join(ROOT, c.trace))[:c.sim_requests]

@@ -1,4 +1,4 @@
-"""How many requests' KV fit in a budget (SPEC 8.1, 8.3.2), for any model and KV format.
+"""How many requests' KV fit in a budget (chapter 8.1, 8.3.2), for any model and KV format.
 
   python -m experiments.capacity --model=qwen3-8b --kv_budget_gib=12 --input_tokens=8192 \
       --output_tokens=256 --shared_prefix=6144 --json

@@ -1,4 +1,4 @@
-"""Configuration selection end to end (SPEC 8.6.3): the planner's choice next to simulated
+"""Configuration selection end to end (chapter 8.6.3): the planner's choice next to simulated
 runs of the variants through the real scheduler.
 
   python -m experiments.config_select --output_dir=out/config_select

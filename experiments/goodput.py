@@ -1,4 +1,4 @@
-"""Goodput under a request stream (SPEC 8.6.1-8.6.2) on SmolLM2 on this CPU.
+"""Goodput under a request stream (chapter 8.6.1-8.6.2) on SmolLM2 on this CPU.
 
   python -m experiments.goodput --output_dir=out/goodput
   python -m experiments.goodput --config=configs/studies/goodput.py:small  # CI size

@@ -1,4 +1,4 @@
-"""KV reservation accounting for the three policies of SPEC 8.3.1 / 8.3.2.
+"""KV reservation accounting for the three policies of chapter 8.3.1 / 8.3.2.
 
   python -m experiments.kv_accounting --lengths=9,13,5,15 --max_len=16 --page_size=4 --share=A,B,8
   python -m experiments.kv_accounting --branches=4 --prefix_pages=95 --private_pages=9 \

@@ -1,4 +1,4 @@
-"""KV storage format vs answer quality (SPEC 8.4.4) on SmolLM2 on this CPU.
+"""KV storage format vs answer quality (chapter 8.4.4) on SmolLM2 on this CPU.
 
   python -m experiments.kv_quality --output_dir=out/kv_quality
   python -m experiments.kv_quality --config=configs/studies/kv_quality.py:small  # CI size

@@ -1,4 +1,4 @@
-"""Multi-LoRA serving (SPEC 8.2.1): throughput and ITL of a batch as the number of
+"""Multi-LoRA serving (chapter 8.2.1): throughput and ITL of a batch as the number of
 distinct adapters in it grows, real SmolLM2 on this machine and simulated Qwen3-8B on
 RTX PRO 6000 side by side.
 

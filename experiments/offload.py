@@ -1,4 +1,4 @@
-"""Weight offload with prefetch (SPEC 8.4.3), simulated: sweep the offloaded FFN sets and
+"""Weight offload with prefetch (chapter 8.4.3), simulated: sweep the offloaded FFN sets and
 the prefetch buffers for Qwen3-8B on RTX PRO 6000 (PCIe Gen5 x16) and GH200
 (NVLink-C2C); a 8192-in / 256-out request runs through the real scheduler on the
 simulated clock; report round time, request time vs the 7 s deadline, memory freed /

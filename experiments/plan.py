@@ -1,4 +1,4 @@
-"""The chapter's planner (SPEC 8.2.1, 8.3.4, 8.4.3, 8.5, 8.6.3) on the cost model.
+"""The chapter's planner (chapter 8.2.1, 8.3.4, 8.4.3, 8.5, 8.6.3) on the cost model.
 
   python -m experiments.plan capacity --model=qwen3-8b --kv_budget_gib=12 --json
   python -m experiments.plan batch --context=2048 --output_dir=out/plan

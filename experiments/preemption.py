@@ -1,4 +1,4 @@
-"""Preemption and cancellation (SPEC 8.3.2), simulated and real.
+"""Preemption and cancellation (chapter 8.3.2), simulated and real.
 
   python -m experiments.preemption --output_dir=out/preemption
   python -m experiments.preemption --config=configs/studies/preemption.py:small

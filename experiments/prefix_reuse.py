@@ -1,4 +1,4 @@
-"""Prefix reuse across multi-round agent sessions (SPEC 8.3.3-8.3.4).
+"""Prefix reuse across multi-round agent sessions (chapter 8.3.3-8.3.4).
 
   python -m experiments.prefix_reuse --output_dir=out/prefix_reuse
   python -m experiments.prefix_reuse --config=configs/studies/prefix_reuse.py:small  # CI size

@@ -1,4 +1,4 @@
-"""Scheduling policies and the token budget (SPEC 8.2.2-8.2.4), simulated and real.
+"""Scheduling policies and the token budget (chapter 8.2.2-8.2.4), simulated and real.
 
   python -m experiments.scheduling --output_dir=out/scheduling
   python -m experiments.scheduling --config=configs/studies/scheduling.py:sim    # simulator only

@@ -1,5 +1,5 @@
 """Plain decoding vs each drafter on the real model, and the simulated counterparts for
-Qwen3-8B on RTX PRO 6000 (SPEC 8.5).
+Qwen3-8B on RTX PRO 6000 (chapter 8.5).
 
   python -m experiments.speculative --output_dir=out/speculative [--small]
 

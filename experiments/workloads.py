@@ -8,7 +8,7 @@ import json
 import os
 from typing import Dict, List
 
-# SPEC 8.2.2: r0 and r1 at t = 0 (2048 in; 8 and 2 out), r2 at 20 ms (8192 in, 2 out),
+# chapter 8.2.2: r0 and r1 at t = 0 (2048 in; 8 and 2 out), r2 at 20 ms (8192 in, 2 out),
 # r3 at 30 ms (2048 in, 4 out); at most 2 requests run at once.
 CH8_2_2 = [
     {"arrival_ms": 0.0, "input_tokens": 2048, "output_tokens": 8},
@@ -20,7 +20,7 @@ CH8_2_2 = [
 
 def ch8_2_4(num_requests: int = 6, interval_ms: float = 80.0, input_tokens: int = 2048,
             output_tokens: int = 64) -> List[Dict]:
-  """SPEC 8.2.4's replay: six requests arriving every 80 ms. The chapter gives neither
+  """chapter 8.2.4's replay: six requests arriving every 80 ms. The chapter gives neither
   their prompt nor their output lengths: those are inputs of ours (2048 / 64 by default,
   the chapter's short-chat prompt) and the study prints them."""
   return [{"arrival_ms": interval_ms * i, "input_tokens": input_tokens,

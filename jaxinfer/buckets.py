@@ -100,12 +100,17 @@ class BucketTable:
   def default(cls, max_tokens: int = 256, max_requests: int = 64, max_pages: int = 128,
               min_tokens: int = 16, ratio: int = 4) -> "BucketTable":
     """The small default: token sizes min_tokens, x ratio, ... up to max_tokens; request
-    and prefill-slot sizes 1, ratio, ... up to max_requests; query sizes 1 + the token
-    sizes; decode sizes 1, 2, 4, ... up to min(max_requests, max_tokens); one page tier
-    (max_pages). 256 x 64 x any pages: 58 shapes."""
+    sizes 1, ratio, ... up to max_requests; prefill-slot sizes 1, 2, 4, 8 and the request
+    sizes; query sizes 1 + the token sizes; decode sizes 1, 2, 4, ... up to
+    min(max_requests, max_tokens); one page tier (max_pages). 256 x 64 x any pages: 82
+    shapes."""
     req = geometric(1, max_requests, ratio)
+    # A chunked step usually carries one or two prefill works (a prompt's tail and the
+    # next prompt's head); every prefill slot costs Q query rows of attention, so the
+    # small counts run at their own size rather than padded to `ratio`.
+    slots = tuple(sorted(set(geometric(1, min(8, max_requests), 2)) | set(req)))
     return cls(token_sizes=geometric(min_tokens, max_tokens, ratio), request_sizes=req,
-               page_table_sizes=(max_pages,), prefill_slot_sizes=req,
+               page_table_sizes=(max_pages,), prefill_slot_sizes=slots,
                decode_sizes=geometric(1, min(max_requests, max_tokens), 2))
 
   def to_json(self) -> dict:

@@ -72,7 +72,7 @@ flags.DEFINE_bool("deadline_admission", False, "serve: reject at once what canno
 flags.DEFINE_float("deadline_s", 0.0, "serve: each request's deadline in seconds from arrival "
                    "(0 = none; a request may set its own with the field deadline_s)")
 flags.DEFINE_bool("warmup", True, "compile every bucket shape before the first request "
-                  "(a progress bar; the default table has about 55, reloaded from the "
+                  "(a progress bar; the default table has about 82, reloaded from the "
                   "persistent compilation cache after the first run; --nowarmup compiles "
                   "each shape the first time a step needs it)")
 flags.DEFINE_string("buckets", None, "a bucket table as JSON (tools/bucket_plan.py writes "

@@ -77,7 +77,7 @@ class ModelConfig:
     return emb + head + self.num_layers * self.layer_param_count() + self.hidden_size
 
   def weight_bytes(self, bytes_per_param: float = 2.0) -> int:
-    """Total stored weight bytes (SPEC reference data: Qwen3-8B bf16 = 16,381,470,720)."""
+    """Total stored weight bytes (the chapter's reference data: Qwen3-8B bf16 = 16,381,470,720)."""
     return int(self.param_count() * bytes_per_param)
 
   def weight_bytes_read_per_step(self, bytes_per_param: float = 2.0) -> int:

@@ -98,7 +98,7 @@ class LLM:
     "value", 8.3.4) and the pages of its host-memory tier (evicted prefixes move there and
     come back on a hit instead of being recomputed; 0 = none);
     buckets: a BucketTable or the path of one as JSON (tools/bucket_plan.py writes them);
-    default: BucketTable.default (about 55 shapes);
+    default: BucketTable.default (about 82 shapes at 64 requests);
     warmup: compile every shape of the table now, with a progress bar (8.2.4: no request
     then waits for a compile; the persistent compilation cache makes a second process
     mostly reload them). `warmup_s` holds the seconds spent;

@@ -1,4 +1,4 @@
-"""The figures of SPEC 8.1 / 8.3 from the accounting functions and the two binaries."""
+"""The figures of chapter 8.1 / 8.3 from the accounting functions and the two binaries."""
 import json
 import subprocess
 import sys

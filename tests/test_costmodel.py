@@ -1,4 +1,4 @@
-"""Cost model: sizes derived from the config, formulas pinned on SPEC cases, the
+"""Cost model: sizes derived from the config, formulas pinned on the chapter's cases, the
 roofline calibrated on the 8-1 table, and configuration selection (8.6.3)."""
 import math
 
@@ -51,7 +51,7 @@ def test_rates(rtx):
 
 
 def test_weight_reuse_formulas():
-  """8.2.1 on SPEC's Qwen3-8B inputs (D_w = 15,136,811,008 B, k = 144 KiB per token),
+  """8.2.1 on the chapter's Qwen3-8B inputs (D_w = 15,136,811,008 B, k = 144 KiB per token),
   values worked out by hand: 4 requests at 2048 tokens read 16.34 GB a round, 4.09 GB
   per output token (0.30 GB with the weights in ROM); KV reads reach weight reads at
   51 requests."""

@@ -33,7 +33,7 @@ def test_pallas_kernels_import_only_jax_and_numpy():
 
 
 def test_the_engine_never_imports_serving_and_serving_uses_no_private_engine_names():
-  """ARCHITECTURE: serving/ talks to the engine through its public calls; the runtime,
+  """serving/ talks to the engine through its public calls; the runtime,
   executors and model never import serving/."""
   import re
   for sub in ("runtime", "executors", "model", "kv", "costmodel"):
@@ -65,7 +65,7 @@ def test_model_never_imports_the_runtime_executors_or_serving():
 
 
 def test_runtime_sees_adapter_ids_and_slot_counts_only():
-  """ARCHITECTURE: lora/'s device ops belong to the model and the step; the runtime may
+  """lora/'s device ops belong to the model and the step; the runtime may
   use the host-side slot table alone."""
   for f in (ROOT / "jaxinfer" / "runtime").rglob("*.py"):
     for mod, name in _imports(f):
@@ -83,7 +83,7 @@ def test_drafters_use_the_scheduler_and_executor_doors_not_the_engine():
 
 
 def test_experiments_and_tools_use_public_names():
-  """ARCHITECTURE: experiments/ and tools/ use the public API, never private helpers of
+  """experiments/ and tools/ use the public API, never private helpers of
   jaxinfer or pallas_kernels (`_name` imports or attributes; jit's own _cache_size is
   JAX's, counted as the recompilation probe)."""
   import re

@@ -9,7 +9,7 @@ from pallas_kernels import kv_codec
 
 
 def test_bytes_per_token_qwen3_8b():
-  assert bytes_per_token(QWEN3_8B, "bf16") == 147_456  # 144 KiB, SPEC 8.1
+  assert bytes_per_token(QWEN3_8B, "bf16") == 147_456  # 144 KiB, chapter 8.1
   assert bytes_per_token(QWEN3_8B, "q8_0") == 147_456 * 34 / 64
   assert bytes_per_token(QWEN3_8B, "q4_0") == 147_456 * 18 / 64
   assert bytes_per_token(QWEN3_8B, "f32") == 2 * 147_456

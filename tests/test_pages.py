@@ -72,7 +72,7 @@ def test_fork_copy_on_write_of_partial_tail_only():
 
 
 def test_four_branches_share_a_95_page_prefix():
-  """SPEC 8.3.2 reference: 4 branches sharing 95 pages with 9 private pages each."""
+  """chapter 8.3.2 reference: 4 branches sharing 95 pages with 9 private pages each."""
   pm = PageManager(200, 16)
   pm.add_sequence("root")
   pm.grow("root", 95 * 16)

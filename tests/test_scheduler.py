@@ -10,7 +10,7 @@ from jaxinfer.runtime.request import Request, State
 from jaxinfer.runtime.scheduler import SchedulerConfig
 
 BIG = 1 << 20
-TRACE = [(0.0, 2048, 8), (0.0, 2048, 2), (0.020, 8192, 2), (0.030, 2048, 4)]  # SPEC 8.2.2
+TRACE = [(0.0, 2048, 8), (0.0, 2048, 2), (0.020, 8192, 2), (0.030, 2048, 4)]  # chapter 8.2.2
 
 
 def engine(policy="chunked", budget=4096, chunk=2048, max_running=2, num_pages=5461,

@@ -1,4 +1,4 @@
-"""experiments.batch_sweep (SPEC 8-1, 8.6.3): batch sweep, real with peers and simulated.
+"""experiments.batch_sweep (chapter 8-1, 8.6.3): batch sweep, real with peers and simulated.
 
   python -m experiments.batch_sweep --config=configs/studies/batch_sweep.py[:small]
 """

@@ -1,4 +1,4 @@
-"""experiments.buckets (SPEC 8.2.4): bucket strategies — executables, compile time,
+"""experiments.buckets (chapter 8.2.4): bucket strategies — executables, compile time,
 padding, step time, TTFT and ITL — on real SmolLM2 and simulated at Qwen3-8B scale.
 
   python -m experiments.buckets --config=configs/studies/buckets.py[:small]
@@ -18,7 +18,7 @@ def get_config(mode: str = ""):
   # on this CPU, or sim_compile_s when the real part is off).
   c.sim_targets = ("smollm2-135m-instruct@local-cpu", "qwen3-8b@rtx-pro-6000")
   # (trace, step token budget = largest token bucket, largest request bucket): the
-  # shipped chat trace, and SPEC 8.2.4's replay (six 2048-token prompts every 80 ms)
+  # shipped chat trace, and chapter 8.2.4's replay (six 2048-token prompts every 80 ms)
   c.sim_traces = (("chat", 256, 64), ("ch8_2_4", 2048, 8))
   c.sim_requests = 200  # of the chat trace
   c.sim_compile_s = 2.6

@@ -1,4 +1,4 @@
-"""experiments.config_select (SPEC 8.6.3): planner choice and simulated runs.
+"""experiments.config_select (chapter 8.6.3): planner choice and simulated runs.
 
   python -m experiments.config_select --config=configs/studies/config_select.py[:small]
 """

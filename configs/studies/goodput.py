@@ -1,4 +1,4 @@
-"""experiments.goodput (SPEC 8.6.2): completion throughput vs goodput under load.
+"""experiments.goodput (chapter 8.6.2): completion throughput vs goodput under load.
 
   python -m experiments.goodput --config=configs/studies/goodput.py[:small|:sim]
 

@@ -1,4 +1,4 @@
-"""experiments.kv_quality (SPEC 8.4.4): KV storage format vs quality on SmolLM2.
+"""experiments.kv_quality (chapter 8.4.4): KV storage format vs quality on SmolLM2.
 
   python -m experiments.kv_quality --config=configs/studies/kv_quality.py[:small]
 """

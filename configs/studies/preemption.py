@@ -1,4 +1,4 @@
-"""experiments.preemption (SPEC 8.3.2): preemption under a small pool, and cancellation.
+"""experiments.preemption (chapter 8.3.2): preemption under a small pool, and cancellation.
 
   python -m experiments.preemption --config=configs/studies/preemption.py[:small]
 """

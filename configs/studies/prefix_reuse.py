@@ -1,4 +1,4 @@
-"""experiments.prefix_reuse (SPEC 8.3.3-8.3.4): agent sessions and the prefix cache.
+"""experiments.prefix_reuse (chapter 8.3.3-8.3.4): agent sessions and the prefix cache.
 
   python -m experiments.prefix_reuse --config=configs/studies/prefix_reuse.py[:small]
 """

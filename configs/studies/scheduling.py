@@ -1,4 +1,4 @@
-"""experiments.scheduling (SPEC 8.2.2-8.2.4): policies and the token-budget sweep.
+"""experiments.scheduling (chapter 8.2.2-8.2.4): policies and the token-budget sweep.
 
   python -m experiments.scheduling --config=configs/studies/scheduling.py[:sim|:small]
 """

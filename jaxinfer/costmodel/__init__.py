@@ -1,6 +1,6 @@
 """The chapter's cost model: hardware profiles, byte/FLOP counts derived from the model
 config, a roofline step-time model calibrated with measured MBU/MFU, and the formulas
-of SPEC 8.2-8.6 as functions.
+of chapter 8.2-8.6 as functions.
 
 `formulas` and `hardware` are plain Python (the host runtime uses them); the roofline
 model imports the KV formats (JAX), so it loads on first use.

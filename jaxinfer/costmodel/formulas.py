@@ -1,4 +1,4 @@
-"""The chapter's formulas as functions; each docstring cites its SPEC section."""
+"""The chapter's formulas as functions; each docstring cites its chapter section."""
 from __future__ import annotations
 
 import math
@@ -175,7 +175,7 @@ def goodput(correct_on_time: int, t_obs: float) -> float:
   return correct_on_time / t_obs
 
 
-# --- tensor parallelism (beyond SPEC: jaxinfer/sharding.py's Megatron layout) ----------------
+# --- tensor parallelism (beyond the chapter: jaxinfer/sharding.py's Megatron layout) ----------------
 def tp_allreduce_bytes(tokens: int, hidden: int, bytes_per_value: float) -> float:
   """One of a layer's two all-reduces under tensor parallelism (after the attention
   output projection and after the FFN's down projection): the [T, D] activations."""

@@ -1,4 +1,4 @@
-"""Hardware profiles (SPEC reference table) as JSON files under configs/hardware/."""
+"""Hardware profiles (the chapter's reference table) as JSON files under configs/hardware/."""
 from __future__ import annotations
 
 import dataclasses

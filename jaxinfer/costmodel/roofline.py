@@ -2,7 +2,7 @@
 
 Bytes and FLOPs are derived from the model config (never typed in). A step takes
 max(FLOPs / (P x MFU), bytes / (beta x MBU)); MBU is interpolated on the bytes a step
-reads and MFU on the log of a step's FLOPs, from a measured calibration table (SPEC's
+reads and MFU on the log of a step's FLOPs, from a measured calibration table (the chapter's
 8-1 table for the RTX PRO 6000; the project's own measurements for local-cpu). The model
 plugs into the SimExecutor as its StepTimeModel.
 """

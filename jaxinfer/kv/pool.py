@@ -6,7 +6,7 @@ Layout, one array per component, layer-major so a step writes every layer once:
   k_ps, v_ps   [L, K, P] float32          page scales (fp8)
 KV-head-major, so a request's gathered pages feed a dot batched over (head, request)
 without a transpose.
-Pools are allocated with zeros (jnp.empty is uninitialized on jax 0.11, JAX-FACTS.md);
+Pools are allocated with zeros (jnp.empty is uninitialized on jax 0.11);
 attention masks stale positions, so a page's old contents never matter.
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
 def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
   """Store new tokens' K/V [L, T, K, H] at pages/offsets [T] (page id >= num_pages: skip).
 
-  One scatter per component per step, into the donated pool (JAX-FACTS.md: writing a
+  One scatter per component per step, into the donated pool (measured: writing a
   stacked pool from every layer copies it; writing once per step does not).
   """
   fmt = get_format(pool_format(pool))

@@ -2,7 +2,7 @@
 
 Uses the `gguf` package's reader and dequantizers. llama-family files store the
 attn_q / attn_k rows permuted for llama.cpp's pairwise RoPE; we undo that to get the
-HF layout (JAX-FACTS.md). Qwen3 files are not permuted.
+HF layout. Qwen3 files are not permuted.
 """
 from __future__ import annotations
 

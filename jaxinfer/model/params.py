@@ -2,7 +2,7 @@
 
 Matmul weights are stored [in, out] so a projection is `x @ w`. Per-layer weights are
 either stacked with a leading layer axis (for `lax.scan`) or kept as a list of per-layer
-dicts (unrolled; JAX-FACTS.md: slicing stacked weights inside jit copies them).
+dicts (unrolled; measured: slicing stacked weights inside jit copies them).
 """
 from __future__ import annotations
 

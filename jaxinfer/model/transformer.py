@@ -3,7 +3,7 @@
 One step processes a packed, ragged set of new tokens (prefill chunks and decode
 tokens of many requests). Each layer attends to the request's cached pages plus the
 step's own tokens; the step's K/V of all layers are written to the pool once, after the
-last layer (JAX-FACTS.md: per-layer writes into a stacked pool copy it).
+last layer (measured: per-layer writes into a stacked pool copy it).
 """
 from __future__ import annotations
 

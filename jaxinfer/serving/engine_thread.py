@@ -6,7 +6,7 @@ from an `asyncio.Queue` the engine thread fills with `loop.call_soon_threadsafe`
 (a client that went away) travel the same command queue. The loop:
 
     drain commands (add / abort / stop)    -> engine.add_request / engine.abort
-    engine.step() while there is work       -> one scheduled step (ARCHITECTURE: one owner)
+    engine.step() while there is work       -> one scheduled step (one owner)
     publish: text deltas, finishes, metrics -> per-request queues, Prometheus
 """
 from __future__ import annotations

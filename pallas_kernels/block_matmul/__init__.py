@@ -1,4 +1,4 @@
-"""Weight matmuls over GGUF block-quantized weights (SPEC 8.4.1), read in their own format.
+"""Weight matmuls over GGUF block-quantized weights (chapter 8.4.1), read in their own format.
 
 A weight W [N out, K in] is held as the file stores it, in blocks of 32 values along K:
   q4_1: codes uint8 [(L,) N, K/2] (byte j of a block: value j low nibble, j+16 high) and

@@ -1,6 +1,6 @@
 // Weight matmul over GGUF block-quantized weights for XLA:CPU, as an XLA FFI custom call
 // (see block_matmul/__init__.py): y[M, N] = x[M, K] . W[N, K]^T with W kept in the file's
-// own blocks of 32 values along K (SPEC 8.4.1), never as a float32 copy.
+// own blocks of 32 values along K (chapter 8.4.1), never as a float32 copy.
 //
 //   q4_1: 16 code bytes per block (byte j holds value j in its low nibble and value j+16
 //         in its high nibble) and a (d, m) pair per block: w = d * q + m

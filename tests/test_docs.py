@@ -1,0 +1,87 @@
+"""The front door: a short README, a docs site that builds strictly, generated pages that
+match their generators, and comments that cite nothing outside the repository."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "data", "bench_e2e_small.json")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def test_readme_is_short_and_its_links_resolve():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  assert len(text.splitlines()) <= 250
+  links = re.findall(r"\]\(([^)#]+)", text)
+  assert links
+  for link in links:
+    if "://" not in link:
+      assert os.path.exists(os.path.join(ROOT, link)), link
+
+
+def test_cli_page_is_generated_from_the_flags():
+  import gen_cli_docs
+  with open(os.path.join(ROOT, "docs", "cli.md")) as f:
+    committed = f.read()
+  page = gen_cli_docs.render()
+  assert committed == page, "docs/cli.md is stale: run python tools/gen_cli_docs.py"
+  from absl import flags
+  from jaxinfer import cli
+  for fl in flags.FLAGS.get_flags_for_module(cli.__name__):  # every flag, with its help
+    assert f"`--{fl.name}`" in page
+
+
+def test_report_writes_the_performance_page_from_json(tmp_path):
+  import json
+  import report
+  out = tmp_path / "performance.md"
+  text = report.render([FIXTURE], str(out))
+  with open(FIXTURE) as f:
+    data = json.load(f)
+  assert out.read_text() == text
+  assert data["machine"]["command"] in text and data["machine"]["cpu"] in text
+  row = data["single"][0]
+  assert f"| {row['prompts']} | {row['weight_format']} |" in text
+  assert format(row["out_tok_s"], ".1f") in text
+  assert (tmp_path / "img" / "performance_e2e.png").stat().st_size > 1000
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"x": 1}')
+  assert report.main(["report.py", str(bad), f"--output={tmp_path / 'x.md'}"]) == 2
+
+
+def test_docs_site_builds_strictly(tmp_path):
+  """Broken links, missing pages or an API reference that does not resolve fail."""
+  if shutil.which("mkdocs") is None and subprocess.run(
+      [sys.executable, "-m", "mkdocs", "--version"], capture_output=True).returncode:
+    pytest.fail("mkdocs is not installed: pip install -e '.[test]'")
+  env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+  r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                      "-f", os.path.join(ROOT, "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                     capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert (tmp_path / "site" / "python-api" / "index.html").exists()
+  assert "SamplingParams" in (tmp_path / "site" / "python-api" / "index.html").read_text()
+
+
+_OUTSIDE = re.compile(r"JAX-FACTS|SPEC\.md|\bSPEC\b|ARCHITECTURE\.md|\bARCHITECTURE\b|"
+                      r"STYLE\.md|\.\./shared|cpu_amx\.cc|the issue's")
+
+
+def test_no_comment_cites_a_document_outside_the_repository():
+  hits = []
+  for top in ("jaxinfer", "pallas_kernels", "tools", "experiments", "configs", "tests"):
+    for d, _, files in os.walk(os.path.join(ROOT, top)):
+      for name in files:
+        if not name.endswith((".py", ".cc", ".h", ".sh")) or name == "test_docs.py":
+          continue
+        path = os.path.join(d, name)
+        with open(path, errors="replace") as f:
+          for i, line in enumerate(f, 1):
+            if _OUTSIDE.search(line):
+              hits.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+  assert not hits, "\n".join(hits)
