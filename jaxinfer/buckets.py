@@ -12,7 +12,8 @@ such a step runs at T = R = the next decode size, so one user's decode step mult
 row, not the smallest token bucket's 16. Steps that carry a prefill chunk use the token and
 request ladders. The default table: decode sizes 1, 2, 4, ... up to the largest request
 size; token and request ladders of powers of four; one tier of pages per request, since
-the attention backends read only the pages a request holds whatever the table's width. `jaxinfer.bucket_plan` builds
+the attention backends read only the pages a request holds whatever the table's width.
+`jaxinfer.bucket_plan` builds
 other ladders (powers of two, linear, exact) and fits one to a trace; `to_json` /
 `from_json` carry a table between the planner, the engine, `LLM` and the CLI.
 """
@@ -164,13 +165,14 @@ class BucketTable:
     Logits rows are one per request slot (S = R) unless a step verifies drafts and needs
     more (S = T). A decode-only step (no prefill, one logits row per request) runs at
     T = R = its decode size when the table has a decode ladder."""
+    def pages() -> int:  # picked after the token size: that error is reported first
+      return self._pick(self.page_table_sizes, max(max_pages, 1), "pages per request")
+
     if (self.decode_sizes and not num_prefill and num_tokens == num_decode
         and num_logits <= num_decode):
       D = self._pick(self.decode_sizes, num_decode, "decode requests per step")
-      return Bucket(num_tokens=D, num_requests=D,
-                    pages_per_request=self._pick(self.page_table_sizes, max(max_pages, 1),
-                                                 "pages per request"),
-                    max_query_len=1, num_logits=D, prefill_slots=0)
+      return Bucket(num_tokens=D, num_requests=D, pages_per_request=pages(), max_query_len=1,
+                    num_logits=D, prefill_slots=0)
     T = self._pick(self.token_sizes, num_tokens, "tokens per step")
     if num_prefill:
       Q = min(self._pick(self.query_sizes, max_query_len, "query tokens per request"), T)
@@ -182,10 +184,8 @@ class BucketTable:
     else:
       Q, Rp = 1, 0
     R = self._pick(self.request_sizes, num_decode + Rp, "requests per step")
-    return Bucket(num_tokens=T, num_requests=R,
-                  pages_per_request=self._pick(self.page_table_sizes, max(max_pages, 1),
-                                               "pages per request"),
-                  max_query_len=Q, num_logits=R if num_logits <= R else T, prefill_slots=Rp)
+    return Bucket(num_tokens=T, num_requests=R, pages_per_request=pages(), max_query_len=Q,
+                  num_logits=R if num_logits <= R else T, prefill_slots=Rp)
 
   def all_buckets(self, verify: bool = False) -> Iterator[Bucket]:
     """Exactly the shapes `select` can return for a step that fits the table (the warm-up

@@ -56,10 +56,10 @@ _LOWEST = -(1 << 31)
 
 def scale_by_temperature(logits, temperature):
   """(logits [S, V] - each row's max) / temperature [S]; greedy rows (temperature <= 0)
-  only shifted. The shift leaves every softmax unchanged and keeps a tiny temperature
-  exact: the most likely tokens scale to 0 and the rest towards -inf, never to +inf (an
-  overflow there turned the weights into NaN and drew the vocabulary's last token), so
-  a temperature near 0 samples what greedy decoding picks."""
+  only shifted. The shift leaves every softmax unchanged and bounds the scaled logits
+  above by 0: the most likely tokens stay at 0 and the rest go towards -inf, so however
+  small the temperature no huge value reaches the draw, and a temperature near 0 samples
+  what greedy decoding picks."""
   top = jnp.max(logits, axis=-1, keepdims=True)
   shifted = logits - jnp.where(jnp.isfinite(top), top, 0.0)
   return shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]

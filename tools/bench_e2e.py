@@ -14,12 +14,13 @@ batch: --batch_sizes jobs of N prompts, --batch_new_tokens out each (`LLM.genera
   the N prompts at once; HF: one batched `generate`; llama.cpp: the prompts one after
   another, labelled "sequential", over at most --llama_cpp_batch_prompts of them). Wall
   time, output tok/s, seconds in steps that carry prefill and in decode-only steps, the
-  prefill FLOP rate over the matmul rate. Floor: all prompts' FLOPs at the matmul rate
-  at the token budget's rows, plus every decode step's max(bytes / bandwidth, FLOPs /
-  matmul rate at N rows).
+  prompts' FLOPs at the matmul rate over the seconds of the steps that carry prefill.
+  Floor: all prompts' FLOPs at the matmul rate at the token budget's rows, plus every
+  decode step's max(bytes / bandwidth, FLOPs / that rate).
 Each row also shows the bucket the engine ran its decode steps at and their median time
 beside the same batch's step packed at exactly its shape (`engine/exact`): a bucket
-table that pads decode shows there.
+table that pads decode shows there; the JSON lists every bucket the job ran with its
+steps and seconds (the mixed steps' shapes show where prefill time goes).
 
 Rounds alternate the systems (ours first: torch's threads spin on after an HF call) and
 re-measure the floors; ratios are medians of each round's own ratio. Writes
@@ -103,6 +104,11 @@ class Ours:
     dec = [s for s in steps if not s.num_prefill_tokens]
     full = [s for s in dec if s.num_seqs == len(ps)]  # the batch's steady decode steps
     ttft = float(np.median([o.ttft_s for o in outs]))
+    by_bucket = {}  # where the job's time went: seconds and steps per bucket, largest first
+    for s in steps:
+      k = "x".join(map(str, s.bucket))
+      secs, n = by_bucket.get(k, (0.0, 0))
+      by_bucket[k] = (secs + s.duration, n + 1)
     return {"wall_s": wall, "ttft_s": ttft, "out_tok_s": len(ps) * new / wall,
             "decode_tok_s": len(ps) * (new - 1) / max(wall - max(o.ttft_s for o in outs),
                                                        1e-9),
@@ -110,7 +116,9 @@ class Ours:
             "steps": len(steps), "padded_tokens": sum(s.padded_tokens for s in steps),
             "decode_step_ms": 1e3 * float(np.median([s.duration for s in full]))
             if full else None,
-            "decode_bucket": list(full[-1].bucket) if full else None}
+            "decode_bucket": list(full[-1].bucket) if full else None,
+            "buckets": [{"bucket": k, "seconds": v[0], "steps": v[1]} for k, v in sorted(
+                by_bucket.items(), key=lambda kv: -kv[1][0])]}
 
   def exact_step_s(self, batch: int, context: int) -> float:
     """The same batch's decode step packed at exactly its shape, on the same executor."""
@@ -262,6 +270,9 @@ def main(argv):
             f"({o['out_tok_s']:.1f} tok/s, x floor {o['x_floor']:.2f}) " +
             " ".join(f"{p.name} {got[p.name]['out_tok_s']:.1f} tok/s" for p in peers),
             flush=True)
+      print("    longest buckets (T x R x P x Q x Rp): " + ", ".join(
+          f"{b['bucket']} {b['steps']} steps {b['seconds']:.1f}s" for b in o["buckets"][:3]),
+          flush=True)
     row = {"prompts": n, "new_tokens": new, "weight_format": wf, "rounds": rounds,
            "start_s": ours.start_s, "decode_bucket": rounds[-1][ours.name]["decode_bucket"]}
     ours_rows = [g[ours.name] for g in rounds]
