@@ -237,7 +237,9 @@ class LLM:
   def add_lora(self, name: str, path: str) -> None:
     """Register one more PEFT adapter (vLLM's load_lora_adapter). Checked fully before
     anything changes: an adapter that does not fit raises AdapterError and the engine
-    serves on. Replacing a name that running requests use is refused."""
+    serves on (weights holding NaN or Inf are refused too). Replacing a name that running
+    requests use is refused; re-adding an adapter the engine disabled (its requests' logits
+    were non-finite) serves it again."""
     from jaxinfer.lora import load_peft
     if self.executor.lora_pool is None:
       raise ValueError("this LLM has no LoRA slots: construct it with max_loras >= 1")
@@ -251,6 +253,7 @@ class LLM:
     for e in self.replicas:
       e.executor.register_lora(adapter)
       e.scheduler.adapters.forget(name)  # a replaced adapter is loaded afresh at next use
+      e.disabled_loras.pop(name, None)
 
   @classmethod
   def from_loaded(cls, loaded, **kw) -> "LLM":

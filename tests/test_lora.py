@@ -225,6 +225,67 @@ def test_bad_adapters_fail_early_and_the_engine_serves_on(smollm2, lora_llm, ada
   assert _alone(llm, PROMPTS[0], "A2") == _alone(llm, PROMPTS[0], "A")
 
 
+def test_non_finite_adapters_are_refused_on_load(smollm2, lora_llm, adapters, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  from jaxinfer.lora.adapter import LoraAdapter
+  llm = lora_llm
+  before = sorted(llm.executor.lora_adapters)
+  raw = load_file(os.path.join(adapters["A"], "adapter_model.safetensors"))
+  for bad, value in (("nan", np.nan), ("inf", np.inf)):
+    t = dict(raw)
+    key = "base_model.model.model.layers.5.mlp.up_proj.lora_B.weight"
+    t[key] = t[key].copy()
+    t[key][3, 1] = value
+    (tmp_path / bad).mkdir()
+    save_file(t, str(tmp_path / bad / "adapter_model.safetensors"))
+    (tmp_path / bad / "adapter_config.json").write_text(
+        open(os.path.join(adapters["A"], "adapter_config.json")).read())
+    with pytest.raises(AdapterError, match=rf"'{bad}'.*w_up lora_B.*1 non-finite.*layer 5"):
+      llm.add_lora(bad, str(tmp_path / bad))
+  t = dict(raw)  # integer weights are not an adapter
+  key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+  t[key] = t[key].astype(np.int32)
+  (tmp_path / "int").mkdir()
+  save_file(t, str(tmp_path / "int" / "adapter_model.safetensors"))
+  (tmp_path / "int" / "adapter_config.json").write_text(
+      open(os.path.join(adapters["A"], "adapter_config.json")).read())
+  with pytest.raises(AdapterError, match="q_proj lora_A has dtype int32"):
+    llm.add_lora("int", str(tmp_path / "int"))
+  good = load_peft(adapters["A"], smollm2.cfg, "obj")  # built in Python, not read from disk
+  a, b = good.weights["wq"]
+  b = b.copy()
+  b[0, 0, 0] = np.inf
+  with pytest.raises(AdapterError, match="'obj'.*wq lora_B"):
+    llm.executor.register_lora(LoraAdapter("obj", good.rank, dict(good.weights, wq=(a, b))))
+  assert sorted(llm.executor.lora_adapters) == before  # nothing registered
+
+
+def test_an_adapter_that_overflows_fails_only_its_requests_and_is_disabled(smollm2, adapters,
+                                                                            tmp_path):
+  """Finite weights that overflow at run time: the requests using that adapter fail, every
+  other request (base model, other adapters, in the same batch and after) is untouched,
+  the adapter is refused until added again."""
+  cfg = smollm2.cfg
+  a, b = random_adapter_factors(cfg, 4, ("wq",), seed=5)
+  a["wq"] = np.sign(a["wq"]) * np.float32(3e38)  # x @ a overflows to Inf
+  save_peft(str(tmp_path / "X"), a, b, cfg, rank=4, alpha=4)
+  llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=32,
+            prefix_cache=True, lora_adapters={"A": adapters["A"]}, max_loras=2,
+            num_pages=256)
+  llm.add_lora("X", str(tmp_path / "X"))  # every weight finite: accepted
+  expect = {lora: _alone(llm, PROMPTS[1], lora) for lora in ("A", None)}
+  sp = lambda lora: SamplingParams(max_tokens=10, ignore_eos=True, lora=lora)  # noqa: E731
+  outs = [(o.finish_reason, o.token_ids, o.error)
+          for o in llm.generate([PROMPTS[1]] * 3, [sp("X"), sp("A"), sp(None)])]
+  assert outs[0][0] == "error" and "non-finite" in outs[0][2]
+  assert outs[1][:2] == ("length", expect["A"]) and outs[2][:2] == ("length", expect[None])
+  with pytest.raises(ValueError, match="LoRA adapter 'X' is disabled.*add it again"):
+    llm.generate(["hi"], sp("X"))
+  assert _alone(llm, PROMPTS[1], "A") == expect["A"]  # its slot no longer poisons a step
+  llm.add_lora("X", adapters["A"])  # registered again (other weights): served
+  assert _alone(llm, PROMPTS[1], "X") == expect["A"]
+
+
 def test_adapter_slots_pin_running_adapters_and_replace_the_least_recently_used():
   s = AdapterSlots(2)
   assert s.acquire("a") == 1 and s.acquire("b") == 2 and s.acquire("a") == 1

@@ -36,6 +36,9 @@ class Executor(Protocol):
   def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:
     """Copy (slot, adapter name) adapters into their device slots before the step."""
 
+  def unload_lora(self, name: str, slot: int) -> None:
+    """Forget a registered adapter and zero its device slot (slot 0: it held none)."""
+
   def launch(self, step: StepInput, plan: StepPlan) -> Any:
     """Start a step; returns a handle for `collect` (a real device runs asynchronously)."""
 

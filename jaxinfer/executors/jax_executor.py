@@ -14,6 +14,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.model.params import cpu_layout
 from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
+from jaxinfer.lora.adapter import check_finite
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
@@ -129,7 +130,18 @@ class JaxExecutor:
     if extra:
       raise AdapterError(f"LoRA adapter {adapter.name!r} targets {extra}, which the adapter "
                          f"pool was not built for (lora_targets={list(self.lora_targets)})")
+    check_finite(adapter)
     self.lora_adapters[adapter.name] = adapter
+
+  def unload_lora(self, name: str, slot: int) -> None:
+    """Forget a registered adapter; its device slot (0: it held none) is zeroed."""
+    self.lora_adapters.pop(name, None)
+    if slot:
+      zeros = {t: {"a": np.zeros((d["a"].shape[0], d["a"].shape[1], d["a"].shape[3]),
+                                 np.float32),
+                   "b": np.zeros((d["b"].shape[0],) + d["b"].shape[2:], np.float32)}
+               for t, d in self.lora_pool.items()}
+      self.lora_pool = lora_ops.write_slot(self.lora_pool, np.int32(slot), zeros)
 
   def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:
     """Copy adapters from host memory into their device slots, before the step."""

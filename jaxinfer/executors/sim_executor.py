@@ -97,6 +97,9 @@ class SimExecutor:
     self.lora_cost = lora_cost
     self.lora_load_s = 0.0  # seconds charged for adapter loads (host -> device)
 
+  def unload_lora(self, name: str, slot: int) -> None:
+    self.lora_adapters.pop(name, None)
+
   def load_lora(self, loads):
     if self.lora_cost is not None:
       self.lora_load_s += sum(self.lora_cost.load_s(self.lora_adapters[n]) for _, n in loads)

@@ -131,6 +131,10 @@ def load_peft(path: str, cfg: ModelConfig, name: Optional[str] = None,
       raise AdapterError(f"{where}: layer {layer} {module} has lora_{''.join(ab)} only")
     d_in, d_out = target_shape(cfg, MODULES[module])
     a, b = ab["A"], ab["B"]
+    for which, v in (("lora_A", a), ("lora_B", b)):
+      if v.dtype.kind != "f" and v.dtype.name != "bfloat16":
+        raise AdapterError(f"{where}: layer {layer} {module} {which} has dtype {v.dtype}; "
+                           "LoRA weights must be floating point (f16, bf16, f32, f64)")
     r = a.shape[0]
     if a.ndim != 2 or b.ndim != 2 or a.shape != (r, d_in) or b.shape != (d_out, r):
       raise AdapterError(
@@ -156,7 +160,22 @@ def load_peft(path: str, cfg: ModelConfig, name: Optional[str] = None,
     a, b = weights[target]
     a[layer, :, :r] = ab["A"].astype(np.float32).T
     b[layer, :r, :] = ab["B"].astype(np.float32).T * scale
-  return LoraAdapter(name=name, rank=rank, weights=weights, path=path)
+  adapter = LoraAdapter(name=name, rank=rank, weights=weights, path=path)
+  check_finite(adapter, where)
+  return adapter
+
+
+def check_finite(adapter: LoraAdapter, where: Optional[str] = None) -> None:
+  """AdapterError unless every weight (b after its scaling, in float32) is finite: one
+  NaN or Inf in a slot would reach every row of a step that reads all slots at once."""
+  where = where or f"LoRA adapter {adapter.name!r}"
+  for target, (a, b) in adapter.weights.items():
+    for which, v in (("A", a), ("B (scaled)", b)):
+      bad = ~np.isfinite(v)
+      if bad.any():
+        layer = int(np.argwhere(bad)[0][0])
+        raise AdapterError(f"{where}: {target} lora_{which} holds {int(bad.sum())} non-finite "
+                           f"values (NaN or Inf), the first in layer {layer}")
 
 
 def save_peft(path: str, adapter_a: Dict[str, np.ndarray], adapter_b: Dict[str, np.ndarray],

@@ -117,7 +117,8 @@ def delta(x, a, b, layer, batch):
   _, d_in, S, r = a.shape
   f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
   if "lora_onehot" in batch:  # all slots as two dense matmuls, masked per token
-    h = (xf @ f32(a[layer]).reshape(d_in, S * r)) * batch["lora_onehot"]  # [T, S * r]
+    # a select, not a product: an overflow in another slot's columns (Inf * 0) stays out
+    h = jnp.where(batch["lora_onehot"] > 0, xf @ f32(a[layer]).reshape(d_in, S * r), 0.0)
     return h @ f32(b[layer]).reshape(S * r, -1)
   if "lora_rows" in batch:  # SGMV in blocks: one gather of each block's A and B
     sl = batch["lora_block_slot"]

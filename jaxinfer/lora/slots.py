@@ -25,6 +25,7 @@ class AdapterSlots:
     self._idle = collections.OrderedDict()  # resident, unused adapters; oldest first
     self._free = list(range(num_slots, 0, -1))  # never-used slots (pop from the end)
     self._loads: List[Tuple[int, str]] = []
+    self.generation: Dict[str, int] = collections.Counter()  # bumped when weights change
     self.num_loads = 0  # host -> device adapter copies so far
     self.num_evictions = 0
 
@@ -63,9 +64,11 @@ class AdapterSlots:
       self._idle[name] = True  # most recently used at the end
 
   def forget(self, name: str) -> None:
-    """Drop a resident idle adapter (its weights were replaced or unregistered)."""
+    """Drop a resident idle adapter (its weights were replaced or unregistered); K/V cached
+    under its old weights is no longer matched (a new generation)."""
     if self.users.get(name, 0):
       raise RuntimeError(f"adapter {name!r} is in use by running requests")
+    self.generation[name] += 1
     if name in self.slot_of:
       self._idle.pop(name, None)
       self._free.append(self.slot_of.pop(name))

@@ -100,6 +100,7 @@ class Engine:
     if executor.max_loras:  # multi-LoRA: which adapter holds which device slot (8.2.1)
       from jaxinfer.lora.slots import AdapterSlots
       self.scheduler.adapters = AdapterSlots(executor.max_loras)
+    self.disabled_loras: Dict[str, str] = {}  # adapter -> why it was taken out of service
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
     self._eos_token_ids = tuple(eos_token_ids)
     self.requests: Dict[object, Request] = {}
@@ -180,6 +181,9 @@ class Engine:
         raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {hi})")
     if sampling.lora is not None and sampling.lora not in self.executor.lora_adapters:
       known = sorted(self.executor.lora_adapters)
+      if sampling.lora in self.disabled_loras:
+        raise ValueError(f"LoRA adapter {sampling.lora!r} is disabled "
+                         f"({self.disabled_loras[sampling.lora]}); add it again to serve it")
       raise ValueError(f"unknown LoRA adapter {sampling.lora!r}; this engine serves "
                        f"{known if known else 'no adapters (max_loras=0)'}")
     if sampling.constraint is not None:  # compiles (cached): an invalid one is a ValueError
@@ -288,6 +292,41 @@ class Engine:
       return
     self.scheduler.fail(r, now, msg)
     self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "error"))
+
+  def _fail_non_finite(self, plan: StepPlan, finite: np.ndarray, now: float) -> None:
+    """Fail the requests whose logits rows hold NaN or Inf. When each of them ran an
+    adapter while the step's base-model rows stayed finite, the fault is the adapters':
+    each is disabled (every request using it fails, its slot is zeroed, new requests are
+    refused until add_lora registers it again)."""
+    msg = "non-finite logits (NaN or Inf) in the model output"
+    row, bad_adapters, base_bad = 0, set(), False
+    for s in plan.seqs:
+      if not finite[row:row + s.num_logits].all():
+        self._fail_request(s.request, msg, now)
+        if s.request.sampling.lora:
+          bad_adapters.add(s.request.sampling.lora)
+        else:
+          base_bad = True
+      row += s.num_logits
+    if not base_bad:
+      for name in sorted(bad_adapters):
+        self.disable_lora(name, f"its requests' logits were non-finite ({msg})")
+
+  def disable_lora(self, name: str, why: str) -> None:
+    """Take adapter `name` out of service: its unfinished requests fail, its device slot is
+    zeroed and it is forgotten, so requests naming it are refused until re-registered."""
+    self._check_owner()
+    log.error("disabling LoRA adapter %r: %s", name, why)
+    now = self.now()
+    for r in list(self.scheduler.running) + list(self.scheduler.waiting):
+      if r.sampling.lora == name:
+        self._fail_request(r, f"LoRA adapter {name!r} was disabled: {why}", now)
+    slots = self.scheduler.adapters
+    slot = slots.slot_of.get(name, 0) if slots is not None else 0
+    if slots is not None:
+      slots.forget(name)
+    self.executor.unload_lora(name, slot)
+    self.disabled_loras[name] = why
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
@@ -439,12 +478,7 @@ class Engine:
                for i in range(sum(s.num_logits for s in f.plan.seqs))]
     finite = np.isfinite(result.packed[:len(sampled), 1])
     if not finite.all():  # non-finite logits (damaged weights, overflow) fail the request
-      row = 0
-      for s in f.plan.seqs:
-        if not finite[row:row + s.num_logits].all():
-          self._fail_request(s.request, "non-finite logits (NaN or Inf) in the model output",
-                             end)
-        row += s.num_logits
+      self._fail_non_finite(f.plan, finite, end)
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
     if self.speculator is not None:
       self.speculator.observe(f.bucket[0], result.duration_s)

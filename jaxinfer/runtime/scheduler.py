@@ -430,7 +430,10 @@ class Scheduler:
   def _cache_key(self, r: Request) -> Tuple[str, str, str]:
     """Prefix-cache namespace: K/V computed under an adapter is only that adapter's."""
     model, _, kv = self.config.cache_key
-    return (model, r.sampling.lora or "", kv)
+    lora = r.sampling.lora or ""
+    if lora and self.adapters is not None and self.adapters.generation.get(lora):
+      lora = f"{lora}#{self.adapters.generation[lora]}"  # registered again: other weights
+    return (model, lora, kv)
 
   def _release(self, r: Request) -> None:
     if r.lora_slot:
