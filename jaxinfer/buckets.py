@@ -74,14 +74,16 @@ class BucketTable:
   decode_sizes: Tuple[int, ...] = ()
 
   def __post_init__(self):
-    if not self.prefill_slot_sizes:
-      object.__setattr__(self, "prefill_slot_sizes", geometric(1, max(self.request_sizes), 2))
-    for name in _FIELDS:
+    for name in _FIELDS:  # types first: the defaults below read request_sizes
       raw = getattr(self, name)
       if not isinstance(raw, (tuple, list)) or not all(
           isinstance(x, int) and not isinstance(x, bool) for x in raw):
         raise ValueError(f"{name} must be a list of integers, got {raw!r}")
-      v = tuple(sorted(set(raw)))
+    if not self.prefill_slot_sizes and self.request_sizes:
+      object.__setattr__(self, "prefill_slot_sizes",
+                         geometric(1, max(self.request_sizes), 2))
+    for name in _FIELDS:
+      v = tuple(sorted(set(getattr(self, name))))
       if any(x <= 0 for x in v):
         raise ValueError(f"{name} must be positive, got {v}")
       if not v and name not in _OPTIONAL:

@@ -287,9 +287,14 @@ def _generate():
   msgs = (lambda p: ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
           [{"role": "user", "content": p}])
   if FLAGS.stream:
-    for piece in (llm.stream_chat(msgs(prompts[0]), sps[0]) if FLAGS.chat
-                  else llm.stream(prompts[0], sps[0])):
-      print(piece, end="", flush=True)
+    try:
+      for piece in (llm.stream_chat(msgs(prompts[0]), sps[0]) if FLAGS.chat
+                    else llm.stream(prompts[0], sps[0])):
+        print(piece, end="", flush=True)
+    except RuntimeError as e:  # the request ended with an error: said, and exit 1
+      print()
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
     print()
     print(f"[jaxinfer] {llm.cfg.name}: {load}, streamed in "
           f"{time.perf_counter() - t1:.2f}s{comp}", file=sys.stderr)
@@ -312,6 +317,13 @@ def _generate():
       print(f"--- [{i + 1}] {o.prompt!r}\n{o.text}")
     else:
       print(o.text)
+  failed = [(i, o) for i, o in enumerate(outs) if o.finish_reason in ("error", "constraint")]
+  for i, o in failed:  # said on stderr in every mode; the exit code tells the caller
+    which = f"prompt #{i + 1}" if len(outs) > 1 else "the request"
+    what = "failed" if o.finish_reason == "error" else "could not meet its constraint"
+    print(f"error: {which} {what}: {o.error}", file=sys.stderr)
+  if failed:
+    sys.exit(1)
 
 
 USAGE = ("usage: python -m jaxinfer generate [--flags]   (--help lists the flags)\n"

@@ -297,7 +297,8 @@ class LLM:
              chat: bool = False) -> Iterator[str]:
     """Generate one answer, yielding text as it becomes final: never half a UTF-8
     character, never text that may still become a stop string (serving/detokenizer.py).
-    Closing the generator early aborts the request and leaves the engine empty."""
+    Closing the generator early aborts the request and leaves the engine empty; a request
+    that ends with an error or an unmet constraint raises RuntimeError after its text."""
     from jaxinfer.serving.detokenizer import IncrementalDetokenizer
     if self.tokenizer is None:
       raise ValueError(f"model {self.cfg.name!r} has no tokenizer: nothing to stream as text")
@@ -315,8 +316,9 @@ class LLM:
           sent = n
           if piece:
             yield piece
-      if r.finish_reason == "error":
-        raise RuntimeError(f"generation failed: {r.error}")
+      if r.finish_reason in ("error", "constraint"):
+        what = "failed" if r.finish_reason == "error" else "could not meet its constraint"
+        raise RuntimeError(f"generation {what}: {r.error}")
       rest = detok.finish(r.text or "")
       if rest:
         yield rest

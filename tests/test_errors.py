@@ -1,7 +1,9 @@
 """Bad input gets a clear error naming the value and the limit."""
+import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from jaxinfer.buckets import BucketTable
@@ -150,6 +152,35 @@ def test_cli_argument_errors_are_one_line_and_exit_2_before_loading(args, words,
   assert out.returncode == 2, err
   assert err.startswith("error: ") and words in err and "\n" not in err
   assert not list(tmp_path.iterdir())  # no model was loaded (a load converts into the cache)
+
+
+def test_cli_bucket_table_of_scalars_is_a_usage_error(tmp_path):
+  table = tmp_path / "t.json"
+  table.write_text('{"token_sizes": [16], "request_sizes": 4, "page_table_sizes": [8]}')
+  out = _cli("generate", f"--buckets={table}", env={"JAXINFER_CACHE": str(tmp_path / "c")})
+  err = out.stderr.decode().strip()
+  assert out.returncode == 2, err
+  assert err == f"error: --buckets={table}: request_sizes must be a list of integers, got 4"
+
+
+def test_cli_generate_exits_1_and_says_why_when_a_request_fails(smollm2, tmp_path):
+  """An adapter of finite weights that overflow at run time: the request ends with
+  `error`; plain, --json and --stream runs all say so on stderr and exit 1."""
+  from jaxinfer.lora import save_peft
+  from jaxinfer.lora.adapter import random_adapter_factors
+  a, b = random_adapter_factors(smollm2.cfg, 4, ("wq",), seed=5)
+  a["wq"] = np.sign(a["wq"]) * np.float32(3e38)
+  save_peft(str(tmp_path / "X"), a, b, smollm2.cfg, rank=4, alpha=4)
+  base = ["generate", f"--lora=X={tmp_path / 'X'}", "--lora_name=X", "--max_tokens=3",
+          "--nowarmup", "--max_lora_rank=4"]
+  for extra in ([], ["--json"], ["--stream"]):
+    out = _cli(*base, *extra)
+    err = out.stderr.decode()
+    assert out.returncode == 1, err
+    assert "non-finite logits" in err.splitlines()[-1], err
+    if extra == ["--json"]:
+      line = json.loads(out.stdout.decode().splitlines()[-1])
+      assert line["finish_reason"] == "error" and "non-finite" in line["error"]
 
 
 def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
