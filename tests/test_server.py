@@ -247,6 +247,10 @@ def test_structured_output_response_format_and_guided_extras(client, offline):
                                   temperature=0.7, n=3,
                                   extra_body={"guided_choice": ["yes", "no"]})
   assert {c.text for c in got.choices} <= {"yes", "no"}
+  many = [f"option {i}" for i in range(2500)]  # more choices than a parser row holds
+  got = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": many})
+  assert got.choices[0].text in many and got.choices[0].finish_reason == "stop"
   got = client.completions.create(model=MODEL, prompt="A date:", max_tokens=12, temperature=0,
                                   extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
   assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", got.choices[0].text)
@@ -257,7 +261,10 @@ def test_structured_output_response_format_and_guided_extras(client, offline):
       (dict(response_format={"type": "xml"}), "response_format", "must be"),
       (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
        "guided_regex", "at most one"),
-      (dict(extra_body={"guided_regex": "a("}), "guided_regex", "invalid regex")]:
+      (dict(extra_body={"guided_regex": "a("}), "guided_regex", "invalid regex"),
+      (dict(extra_body={"guided_regex": r"[^\s\S]"}), "guided_regex", "admits no string"),
+      (dict(extra_body={"guided_grammar": "start: " + " | ".join(
+          f'"opt{i}"' for i in range(2500))}), "guided_grammar", "max is 2000")]:
     with pytest.raises(openai.BadRequestError) as e:
       client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, **kw)
     assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body

@@ -73,7 +73,11 @@ def test_bad_constraints_fail_before_anything_is_queued(smollm2):
        "invalid json_schema: Invalid type: strin"),
       (SamplingParams(regex="a(b"), "invalid regex"),
       (SamplingParams(grammar="start: foo"), 'unknown name: "foo"'),
-      (SamplingParams(grammar="root ::= ( "), "invalid grammar")]:
+      (SamplingParams(grammar="root ::= ( "), "invalid grammar"),
+      (SamplingParams(regex=r"[^\s\S]"), "regex admits no string"),
+      (SamplingParams(grammar="start: start"), "grammar admits no string"),
+      (SamplingParams(grammar="start: " + " | ".join(f'"o{i}"' for i in range(2100))),
+       "grammar cannot be served: after 1 tokens.*max is 2000")]:
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
       llm.generate(["hi", "there"], [good, sp])
     assert not llm.engine.requests and not llm.engine.has_unfinished()
@@ -88,6 +92,11 @@ def test_bad_constraints_fail_before_anything_is_queued(smollm2):
                       [SamplingParams(max_tokens=8, grammar='root ::= "a" | "b" "c"'),
                        SamplingParams(max_tokens=8, grammar='start: "x" | "yz"')])
   assert outs[0].text in ("a", "bc") and outs[1].text in ("x", "yz")
+  many = [f"o/{i}|x" for i in range(2100)] + ["é (ü)"]  # one regex lexeme: no row limit
+  outs = llm.generate(["Pick one."] * 2, [SamplingParams(max_tokens=12, choice=many),
+                                          SamplingParams(max_tokens=12, choice=["é (ü)"])])
+  assert outs[0].text in many and outs[1].text == "é (ü)"
+  assert all(o.finish_reason == "stop" for o in outs)
   assert all(o.finish_reason == "stop" for o in outs)
   # Stop strings still cut a constrained answer.
   o = llm.generate("Say something.", SamplingParams(max_tokens=16, regex="hello world[.!]",

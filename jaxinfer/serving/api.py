@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxinfer import strict_json
 from jaxinfer.runtime.engine import RequestTooLargeError
+from jaxinfer.structured.grammar import ConstraintError
 from jaxinfer.serving.engine_thread import EngineService, QueueFullError, Update
 from jaxinfer.serving.protocol import (ApiError, bad, messages_from_body, prompts_from_body,
                                        sampling_from_body)
@@ -93,9 +94,9 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       service.engine.validate_request(ids, sp)
     except RequestTooLargeError as e:
       raise bad("max_tokens" if "max_tokens" in str(e) else "prompt", str(e)) from None
+    except ConstraintError as e:  # does not compile, admits no string, or is too large
+      raise bad(extras["constraint_param"], str(e)) from None
     except ValueError as e:
-      if sp.constraint is not None and str(e).startswith(f"invalid {sp.constraint[0]}"):
-        raise bad(extras["constraint_param"], str(e)) from None  # the grammar did not compile
       raise bad("logit_bias" if str(e).startswith("logit_bias") else "prompt", str(e)) from None
     return sp
 

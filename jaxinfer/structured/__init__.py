@@ -6,8 +6,9 @@ row per logits row ([S, ceil(V/32)] int32, bit t of a row = token t allowed), an
 jitted step masks the logits with it before sampling and speculative verification.
 Imports no JAX.
 """
-from jaxinfer.structured.grammar import (KINDS, GrammarCompiler, GrammarMatcher,
-                                         check_constraint, mask_words, unconstrained_rows)
+from jaxinfer.structured.grammar import (KINDS, ConstraintError, GrammarCompiler,
+                                         GrammarMatcher, check_constraint, mask_words,
+                                         unconstrained_rows)
 
-__all__ = ["KINDS", "GrammarCompiler", "GrammarMatcher", "check_constraint", "mask_words",
+__all__ = ["KINDS", "ConstraintError", "GrammarCompiler", "GrammarMatcher", "check_constraint", "mask_words",
            "unconstrained_rows"]

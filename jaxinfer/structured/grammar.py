@@ -22,6 +22,17 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+PROBE_TOKENS = 8
+
+
+class ConstraintError(ValueError):
+  """A constraint that cannot be served: it does not compile, admits no string, or trips
+  the grammar library's limits. The message names the kind and the problem."""
+  # tokens a new grammar is walked at validation
+
+
+def _first_line(text: str) -> str:
+  return (text or "").strip().splitlines()[0] if (text or "").strip() else "no message"
 
 
 def mask_words(vocab_size: int) -> int:
@@ -42,19 +53,27 @@ def _grammar_text(kind: str, spec) -> str:
     try:
       return M.grammar_from_json_schema(spec)
     except ValueError as e:
-      raise ValueError(f"invalid json_schema: not a JSON object: {e}") from None
+      raise ConstraintError(f"invalid json_schema: not a JSON object: {e}") from None
   if kind == "json_object":
     return M.grammar_from_json_schema('{"type": "object"}')
   if kind == "regex":
     return M.grammar_from_regex(spec)
-  if kind == "choice":
-    return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+  if kind == "choice":  # one regex lexeme: a Lark alternative per option would put every
+    # option in one parser row, and the library caps a row's items (2,000 by default)
+    return M.grammar_from_lark("start: /" + "|".join(_regex_literal(c) for c in spec) + "/")
   if kind == "grammar":
     try:
       return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-      raise ValueError(f"invalid grammar: neither Lark nor GBNF: {e}") from None
+      raise ConstraintError(f"invalid grammar: neither Lark nor GBNF: {e}") from None
   raise ValueError(f"unknown constraint kind {kind!r}; choose one of {KINDS}")
+
+
+def _regex_literal(text: str) -> str:
+  """`text` as a regex that matches exactly it, safe inside a Lark /.../ terminal: every
+  ASCII character that is not a letter or digit is written as a \\x{..} escape."""
+  return "".join(f"\\x{{{ord(c):02X}}}" if c.isascii() and not c.isalnum() else c
+                 for c in text)
 
 
 def check_constraint(kind: str, spec) -> None:
@@ -63,7 +82,7 @@ def check_constraint(kind: str, spec) -> None:
   import llguidance
   err = llguidance.LLMatcher.validate_grammar(_grammar_text(kind, spec))
   if err:
-    raise ValueError(f"invalid {kind}: {err.strip()}")
+    raise ConstraintError(f"invalid {kind}: {err.strip()}")
 
 
 class GrammarMatcher:
@@ -102,6 +121,7 @@ class GrammarCompiler:
       raise ValueError("structured output needs the model's tokenizer (a tokenizers backend)")
     self.vocab_size = vocab_size
     self.words = mask_words(vocab_size)
+    self._eos = tuple(int(t) for t in eos_token_ids)
     self._tok = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                        eos_token=list(eos_token_ids))
     self._executor = llguidance.LLExecutor(num_threads)
@@ -121,18 +141,45 @@ class GrammarCompiler:
     g = _grammar_text(kind, spec)
     err = llguidance.LLMatcher.validate_grammar(g, self._tok)
     if err:
-      raise ValueError(f"invalid {kind}: {err.strip()}")
+      raise ConstraintError(f"invalid {kind}: {err.strip()}")
+    self._probe(kind, g)
     with self._lock:
       self._cache[key] = g
       while len(self._cache) > self._cache_size:
         self._cache.popitem(last=False)
     return g
 
+  def _probe(self, kind: str, grammar: str) -> None:
+    """Refuse, before a request is accepted, a grammar that admits no string (the parser
+    stops at once without accepting) or that trips the library's limits within its first
+    PROBE_TOKENS tokens (walking the lowest allowed non-end token each step)."""
+    import llguidance
+    m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+    mask = np.zeros((1, self.words), np.int32)
+    empty = ConstraintError(f"{kind} admits no string: nothing that matches it can be "
+                            "generated")
+    for step in range(PROBE_TOKENS):
+      self._executor.unsafe_compute_mask_ptr([(m, 0)], mask.ctypes.data, self.words * 4, 1)
+      if step == 0 and m.is_stopped() and not m.is_accepting() and (
+          not m.is_error() or "NoExtension" in m.get_error()):  # stopped before any byte
+        raise empty
+      if m.is_error():
+        raise ConstraintError(f"{kind} cannot be served: after {step} tokens the grammar "
+                              f"library fails with: {_first_line(m.get_error())}")
+      allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+      nxt = [int(t) for t in allowed[:len(self._eos) + 1] if int(t) not in self._eos]
+      if m.is_stopped() or not nxt:
+        return  # complete: only the end is left
+      m.consume_token(nxt[0])
+    if m.is_error():
+      raise ConstraintError(f"{kind} cannot be served: after {PROBE_TOKENS} tokens the "
+                            f"grammar library fails with: {_first_line(m.get_error())}")
+
   def matcher(self, kind: str, spec) -> GrammarMatcher:
     import llguidance
     m = llguidance.LLMatcher(self._tok, self.compile(kind, spec), log_level=0)
     if m.is_error():
-      raise ValueError(f"invalid {kind}: {m.get_error()}")
+      raise ConstraintError(f"invalid {kind}: {m.get_error()}")
     return GrammarMatcher(m, kind)
 
   def fill(self, rows: List[Tuple[GrammarMatcher, int, List[int]]], out: np.ndarray) -> None:
