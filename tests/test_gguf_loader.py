@@ -191,8 +191,51 @@ def test_checkpoint_restore_verifies_its_checksum(tmp_path, dtype):
   checkpoint.save_checkpoint(d, params, cfg)
   got, _ = checkpoint.restore_checkpoint(d, jax.numpy.dtype(dtype))  # intact: restores
   np.testing.assert_array_equal(np.asarray(got["embed"]), np.asarray(params["embed"]))
-  crc, saved = (tmp_path / "ck" / "checksum").read_text().split()
-  assert saved == dtype
-  (tmp_path / "ck" / "checksum").write_text(f"{int(crc, 16) ^ 1:08x} {saved}")
+  import json
+  rec = json.loads((tmp_path / "ck" / "checksum").read_text())
+  assert rec["dtype"] == dtype
+  bad = dict(rec, params_crc32=f"{int(rec['params_crc32'], 16) ^ 1:08x}")
+  (tmp_path / "ck" / "checksum").write_text(json.dumps(bad))
   with pytest.raises(ModelLoadError, match="is damaged: its weights' checksum"):
     checkpoint.restore_checkpoint(d, jax.numpy.dtype(dtype))
+  (tmp_path / "ck" / "checksum").write_text(json.dumps(rec))
+  conf = tmp_path / "ck" / "model_config.json"
+  conf.write_text(conf.read_text().replace('"rope_theta": 100000.0', '"rope_theta": 5.0'))
+  with pytest.raises(ModelLoadError, match="model_config.json changed since"):
+    checkpoint.restore_checkpoint(d, jax.numpy.dtype(dtype))
+
+
+def test_converted_cache_entry_with_an_edited_config_or_no_checksum_is_rebuilt(
+    tmp_path, caplog, no_tokenizer):
+  """The entry's checksum covers model_config.json and every tensor: an edited config
+  (rope_theta), a deleted, garbled or config-less checksum each mean a fresh conversion,
+  never an entry trusted as it is."""
+  import json
+  import jax
+  from jaxinfer.loading import load_model
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "F32")
+  cache = tmp_path / "cache"
+  want = load_model(path, cache_dir=str(cache))
+  (entry,) = [p for p in cache.iterdir()]
+  rec = json.loads((entry / "checksum").read_text())
+
+  def edit_config():
+    c = json.loads((entry / "model_config.json").read_text())
+    (entry / "model_config.json").write_text(json.dumps(dict(c, rope_theta=12.5)))
+
+  damages = [edit_config, lambda: (entry / "checksum").unlink(),
+             lambda: (entry / "checksum").write_text("{not json"),
+             lambda: (entry / "checksum").write_text(f"{rec['params_crc32']} {rec['dtype']}")]
+  for damage in damages:
+    caplog.clear()
+    damage()
+    got = load_model(path, cache_dir=str(cache))
+    assert "converting again" in caplog.text, (damage, caplog.text[-2000:])
+    assert got.cfg == want.cfg
+    for a, b in zip(jax.tree_util.tree_leaves(want.params),
+                    jax.tree_util.tree_leaves(got.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    caplog.clear()
+    load_model(path, cache_dir=str(cache))  # the rebuilt entry is trusted again
+    assert "converting again" not in caplog.text

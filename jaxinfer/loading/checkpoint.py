@@ -1,11 +1,14 @@
 """Save / restore converted params with orbax-checkpoint, so a second load is fast.
 
 A checkpoint directory holds the params (stacked-layer layout, compute dtype) under
-`params/` and the ModelConfig as `model_config.json`.
+`params/`, the ModelConfig as `model_config.json` and `checksum`: a JSON object with the
+CRC-32 of every tensor's bytes, their dtype and the SHA-256 of model_config.json, so an
+edited config or an overwritten tensor is caught before the weights are used.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -42,10 +45,11 @@ def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str =
   ckpt.save(os.path.join(path, "params"), params, force=True)
   ckpt.wait_until_finished()
   dtype = params["embed"].dtype
-  with open(os.path.join(path, "checksum"), "w") as f:
-    f.write(f"{params_checksum(params)} {dtype}")
   with open(os.path.join(path, "model_config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=1)
+  with open(os.path.join(path, "checksum"), "w") as f:
+    json.dump({"params_crc32": params_checksum(params), "dtype": str(dtype),
+               "config_sha256": _file_sha256(os.path.join(path, "model_config.json"))}, f)
   if tokenizer_source:
     with open(os.path.join(path, "tokenizer_source"), "w") as f:
       f.write(os.path.abspath(tokenizer_source))
@@ -63,23 +67,69 @@ def load_checkpoint_config(path: str) -> ModelConfig:
   return ModelConfig(**d)
 
 
-def restore_checkpoint(path: str, dtype):
-  """Returns (stacked params as jax arrays of `dtype`, ModelConfig)."""
+def _file_sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_checksum(path: str) -> dict:
+  """The checkpoint's `checksum` record ({params_crc32, dtype, config_sha256}); an entry
+  written before the config was covered holds "CRC DTYPE" (config_sha256 None).
+  ModelLoadError when the file is missing or malformed."""
+  sum_file = os.path.join(path, "checksum")
+  try:
+    with open(sum_file) as f:
+      text = f.read().strip()
+  except OSError as e:
+    raise ModelLoadError(f"checkpoint {path!r} has no readable checksum file ({e})") from None
+  try:
+    rec = json.loads(text)
+  except ValueError:
+    crc, _, dtype = text.partition(" ")
+    rec = {"params_crc32": crc, "dtype": dtype, "config_sha256": None}
+  ok = isinstance(rec, dict) and set(rec) == {"params_crc32", "dtype", "config_sha256"}
+  if ok:
+    crc, dt, sha = rec["params_crc32"], rec["dtype"], rec["config_sha256"]
+    ok = (isinstance(crc, str) and len(crc) == 8 and all(c in "0123456789abcdef" for c in crc)
+          and isinstance(dt, str) and bool(dt)
+          and (sha is None or (isinstance(sha, str) and len(sha) == 64)))
+  if not ok:
+    raise ModelLoadError(f"checkpoint {path!r} has a malformed checksum file: {text[:200]!r}")
+  return rec
+
+
+def restore_checkpoint(path: str, dtype, require_checksum: bool = False):
+  """Returns (stacked params as jax arrays of `dtype`, ModelConfig). The checksum record
+  is verified: the config's hash before it is read, the tensors' CRC after the restore.
+  require_checksum (the converted-weight cache, which can rebuild an entry): a missing or
+  malformed record, or one without the config's hash, is a ModelLoadError; otherwise (a
+  user's checkpoint) a missing record is only a warning."""
   import orbax.checkpoint as ocp
   from jaxinfer.model.params import abstract_params
   path = os.path.abspath(path)
   if not is_checkpoint(path):
     raise ModelLoadError(f"{path!r} is not a jaxinfer checkpoint (no model_config.json/params)")
+  rec = None
+  if require_checksum or os.path.exists(os.path.join(path, "checksum")):
+    rec = read_checksum(path)
+  else:
+    log.warning("checkpoint %s has no checksum file: its weights are not verified", path)
+  if rec is not None and rec["config_sha256"] is None and require_checksum:
+    raise ModelLoadError(f"checkpoint {path!r}: its checksum does not cover model_config.json")
+  if rec is not None and rec["config_sha256"] is not None:
+    got = _file_sha256(os.path.join(path, "model_config.json"))
+    if got != rec["config_sha256"]:
+      raise ModelLoadError(f"checkpoint {path!r} is damaged: model_config.json changed since "
+                           f"the weights were saved (SHA-256 {got[:16]}..., saved "
+                           f"{rec['config_sha256'][:16]}...)")
   cfg = load_checkpoint_config(path)
   ckpt = ocp.StandardCheckpointer()
   params = ckpt.restore(os.path.join(path, "params"), abstract_params(cfg, dtype))
-  sum_file = os.path.join(path, "checksum")
-  if os.path.isfile(sum_file):  # written by save_checkpoint (older entries have none)
-    with open(sum_file) as f:
-      want, _, saved_dtype = f.read().strip().partition(" ")
+  if rec is not None:
     import jax
+    want = rec["params_crc32"]
     restored = jax.tree_util.tree_leaves(params)[0].dtype
-    got = params_checksum(params) if str(restored) == saved_dtype else want  # cast: skip
+    got = params_checksum(params) if str(restored) == rec["dtype"] else want  # cast: skip
     if got != want:
       raise ModelLoadError(f"checkpoint {path!r} is damaged: its weights' checksum is {got}, "
                            f"the one saved with them {want}")

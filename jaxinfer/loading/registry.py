@@ -188,7 +188,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
       use_cache = False  # jax.distributed job; each process converts the GGUF itself
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):
       try:
-        params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype)
+        params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype, require_checksum=True)
         bad = non_finite_weight(params)
         if bad:
           raise ValueError(f"weight {bad} holds NaN or Inf")
