@@ -112,6 +112,12 @@ flags.DEFINE_integer("max_queue", 256, "serve: requests waiting for admission be
                      "ones get HTTP 429")
 flags.DEFINE_integer("default_max_tokens", 512, "serve: max_tokens of a chat request that "
                      "sets none (capped by the context window)")
+flags.DEFINE_integer("max_body_bytes", 16 << 20, "serve: larger request bodies get HTTP 413 "
+                     "before the rest is read")
+flags.DEFINE_integer("max_prompt_chars", 2_000_000, "serve: longer prompts (characters, all "
+                     "chat messages together) get HTTP 400 before they are tokenized")
+flags.DEFINE_float("drain_timeout_s", 30.0, "serve: on SIGTERM / SIGINT, how long requests "
+                   "in flight may run on before they are aborted (each client is told)")
 flags.DEFINE_string("served_model_name", None, "serve: the model id clients use (default: "
                     "--model)")
 
@@ -251,13 +257,20 @@ def _serve():
                  "multi-process job (--coordinator) runs generate")
   if FLAGS.max_queue < 1 or FLAGS.default_max_tokens < 1 or FLAGS.deadline_s < 0:
     _usage_error("--max_queue and --default_max_tokens must be >= 1, --deadline_s >= 0")
+  for name in ("max_body_bytes", "max_prompt_chars"):
+    if getattr(FLAGS, name) < 1:
+      _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  if not 0 <= FLAGS.drain_timeout_s < float("inf"):
+    _usage_error(f"--drain_timeout_s must be a finite number >= 0, got {FLAGS.drain_timeout_s}")
   t0 = time.perf_counter()
   # warm-up (on by default) logs its shape count and seconds
   llm = _make_llm(buckets, structured_output=FLAGS.structured_output)
   print(f"[jaxinfer] {llm.cfg.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   serve(llm, model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
         port=FLAGS.port, api_key=FLAGS.api_key, max_queue=FLAGS.max_queue,
-        default_max_tokens=FLAGS.default_max_tokens, deadline_s=FLAGS.deadline_s or None)
+        default_max_tokens=FLAGS.default_max_tokens, deadline_s=FLAGS.deadline_s or None,
+        drain_s=FLAGS.drain_timeout_s, max_body_bytes=FLAGS.max_body_bytes,
+        max_prompt_chars=FLAGS.max_prompt_chars)
 
 
 def _generate():

@@ -52,7 +52,8 @@ def adapter(smollm2, tmp_path_factory):
 def server(adapter):
   port = _free_port()
   args = [sys.executable, "-m", "jaxinfer", "serve", f"--port={port}", f"--api_key={KEY}",
-          "--warmup=false", "--max_queue=64", f"--lora=upper={adapter}"] + [
+          "--warmup=false", "--max_queue=64", f"--lora=upper={adapter}",
+          "--max_body_bytes=1000000", "--max_prompt_chars=20000", "--drain_timeout_s=3"] + [
               f"--{k}={v}" for k, v in ENGINE.items()]
   proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
@@ -319,17 +320,120 @@ def test_a_lora_adapter_is_served_by_its_name(client, offline):
   assert streamed == want.text
 
 
-def test_sigterm_finishes_cleanly(server):
-  """Last in the module: SIGTERM while a stream is open; the process exits 0 and the
-  stream ends (finished or aborted), not hangs."""
+def _post_raw(base, path, body: bytes, content_length=None, timeout=60.0):
+  """A POST over a plain socket (the body may be cut short or never sent): the open socket."""
+  port = int(base.rsplit(":", 1)[1])
+  sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+  head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+          f"Content-Type: application/json\r\n"
+          f"Content-Length: {len(body) if content_length is None else content_length}\r\n\r\n")
+  sock.sendall(head.encode() + body)
+  return sock
+
+
+def _response(sock) -> tuple:
+  """(status, headers text, body bytes) of one response on `sock` (read to its end)."""
+  data = b""
+  while b"\r\n\r\n" not in data:
+    got = sock.recv(65536)
+    assert got, data
+    data += got
+  head, _, rest = data.partition(b"\r\n\r\n")
+  length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+  while len(rest) < length:
+    rest += sock.recv(65536)
+  return int(head.split()[1]), head.decode(), rest[:length]
+
+
+def test_oversized_and_deeply_nested_bodies_get_json_errors_early(server, client):
+  """A body declared larger than --max_body_bytes is a 413 before any of it is read; a
+  prompt over --max_prompt_chars a 400 before it is tokenized; JSON nested 100,000 deep a
+  400 (it was a plain-text 500 and a traceback)."""
+  import json
+  base = server[0]
+  with contextlib.closing(_post_raw(base, "/v1/completions", b"", 50_000_000)) as sock:
+    status, _, body = _response(sock)  # the 50 MB are never sent
+  assert status == 413 and json.loads(body)["error"]["code"] == "payload_too_large"
+  assert "--max_body_bytes" in json.loads(body)["error"]["message"]
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model=MODEL, prompt="x" * 20001, max_tokens=2)
+  assert e.value.body["param"] == "prompt" and "limit is 20000" in e.value.body["message"]
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "system", "content": "y" * 15000}, {"role": "user", "content": "x" * 5001}])
+  assert e.value.body["param"] == "messages" and "--max_prompt_chars" in e.value.body["message"]
+  deep = b"[" * 100_000 + b"]" * 100_000
+  with contextlib.closing(_post_raw(base, "/v1/chat/completions", deep)) as sock:
+    status, head, body = _response(sock)
+  assert status == 400 and "application/json" in head
+  assert "nested too deeply" in json.loads(body)["error"]["message"]
+  assert '"ok"' in _get(base + "/health")
+
+
+def test_a_non_streaming_client_that_disconnects_is_aborted(server):
+  """Tokens keep coming, so the old check (after 0.25 s without an update) never ran: the
+  request ran to max_tokens. Now the disconnect itself aborts it."""
+  import json
+  base = server[0]
+  aborted = _metric(base, "jaxinfer:request_success_total", finished_reason="abort")
+  body = json.dumps({"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 400,
+                     "temperature": 0, "ignore_eos": True}).encode()
+  sock = _post_raw(base, "/v1/completions", body)
+  for _ in range(200):  # bounded: decoding has started
+    if _metric(base, "jaxinfer:kv_pages_used") > 0:
+      break
+    time.sleep(0.05)
+  sock.close()
+  for _ in range(100):
+    if _metric(base, "jaxinfer:request_success_total", finished_reason="abort") > aborted \
+        and _metric(base, "jaxinfer:kv_pages_used") == 0:
+      break
+    time.sleep(0.2)
+  else:
+    raise AssertionError("the request was not aborted 20 s after its client went away")
+
+
+def test_sigterm_drains_every_stream_to_an_end(server):
+  """Last in the module: SIGTERM with 20 streams open (16 slots; 4 wait): every stream
+  ends with a finish reason or an error event, then [DONE]; none is cut silently; the
+  process exits 0 after the 3 s drain."""
+  import json
+  import threading
   base, proc = server
-  c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
-  s = c.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=200,
-                           temperature=0, stream=True, extra_body={"ignore_eos": True})
-  it = iter(s)
-  next(it)
+  body = json.dumps({"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 300,
+                     "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+  ends = [None] * 20
+
+  def read(i, sock):
+    buf, last = b"", None
+    with contextlib.suppress(OSError):
+      while True:
+        got = sock.recv(65536)
+        if not got:
+          break
+        buf += got
+        for line in buf.split(b"\n"):
+          if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            if "error" in event:
+              last = "error"
+            elif event["choices"] and event["choices"][0].get("finish_reason"):
+              last = event["choices"][0]["finish_reason"]
+        if b"data: [DONE]" in buf:
+          break
+    ends[i] = (last, b"data: [DONE]" in buf)
+
+  socks = [_post_raw(base, "/v1/completions", body) for _ in range(20)]
+  readers = [threading.Thread(target=read, args=(i, s), daemon=True)
+             for i, s in enumerate(socks)]
+  for t in readers:
+    t.start()
+  for _ in range(200):  # bounded: the running ones have started decoding
+    if _metric(base, "jaxinfer:kv_pages_used") > 0:
+      break
+    time.sleep(0.05)
   proc.send_signal(signal.SIGTERM)
-  with contextlib.suppress(Exception):  # a graceful end or a cut connection: both end it
-    for _ in it:
-      pass
+  for t in readers:
+    t.join(60)
   assert proc.wait(60) == 0
+  assert all(e is not None and e[0] is not None and e[1] for e in ends), ends

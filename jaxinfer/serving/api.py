@@ -40,9 +40,13 @@ def _sse(obj) -> str:
 
 def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional[str] = None,
               default_max_tokens: int = 512, metrics=None,
-              default_deadline_s: Optional[float] = None) -> FastAPI:
+              default_deadline_s: Optional[float] = None,
+              max_body_bytes: int = 16 << 20, max_prompt_chars: int = 2_000_000) -> FastAPI:
   """`llm`: the LLM whose engine `service` runs; its prompt encoding and chat template
-  are used here (they read no engine state)."""
+  are used here (they read no engine state). Work that grows with the input (JSON
+  parsing, chat templating, tokenizing, grammar compilation) runs on worker threads, never
+  on the event loop; a body over max_body_bytes is a 413 before the rest is read, a
+  prompt over max_prompt_chars characters a 400 before it is tokenized."""
   app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
   tokenizer, max_model_len = llm.tokenizer, llm.max_model_len
@@ -60,9 +64,28 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                      type_="authentication_error", code="invalid_api_key")
 
-  async def _body(request: Request) -> Dict[str, Any]:
+  async def _read_body(request: Request) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed max_body_bytes (from its
+    Content-Length before reading anything, else while reading)."""
+    too_big = ApiError(413, f"the request body exceeds {max_body_bytes} bytes "
+                       "(--max_body_bytes)", type_="invalid_request_error",
+                       code="payload_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+      raise too_big
+    parts, n = [], 0
+    async for chunk in request.stream():
+      n += len(chunk)
+      if n > max_body_bytes:
+        raise too_big
+      parts.append(chunk)
+    return b"".join(parts)
+
+  def _parse(raw: bytes) -> Dict[str, Any]:
     try:
-      body = json.loads(await request.body(), parse_constant=_reject_constant)
+      body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+      raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -76,7 +99,14 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
                      code="model_not_found")
     return body
 
+  def _check_chars(n: int, param: str) -> None:
+    if n > max_prompt_chars:
+      raise bad(param, f"the prompt has {n} characters; the limit is {max_prompt_chars} "
+                "(--max_prompt_chars)")
+
   def _encode(prompt, param: str) -> List[int]:
+    if isinstance(prompt, str):
+      _check_chars(len(prompt), param)
     try:
       return llm.encode_prompt(prompt)
     except ValueError as e:
@@ -122,13 +152,23 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     return rids, q
 
   async def _next(request: Request, q: asyncio.Queue):
-    """The next update, or None if the client disconnected meanwhile."""
+    """The next update, or None if the client disconnected meanwhile (a stream: the
+    response also stops when the server sees the disconnect)."""
     while True:
       try:
         return await asyncio.wait_for(q.get(), _DISCONNECT_POLL_S)
       except asyncio.TimeoutError:
         if await request.is_disconnected():
           return None
+
+  async def _next_or_gone(q: asyncio.Queue, gone: "asyncio.Future"):
+    """The next update, or None as soon as `gone` (the client's disconnect) completes."""
+    get = asyncio.ensure_future(q.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+      return get.result()
+    get.cancel()
+    return None
 
   def _refusal(u: Update) -> Optional[ApiError]:
     if u.finish_reason == "rejected":
@@ -165,7 +205,21 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
             "text_offset": []}
 
   async def _run(request: Request, chat: bool):
-    body = await _body(request)
+    raw = await _read_body(request)
+    prompts, sps, texts, extras = await asyncio.to_thread(_prepare, raw, chat)
+    kind = "chatcmpl" if chat else "cmpl"
+    rid = f"{kind}-{uuid.uuid4().hex}"
+    rids, q = await _start(request, prompts, sps, extras, texts)
+    if extras["stream"]:
+      return StreamingResponse(_stream(request, rid, chat, rids, q, extras),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    return await _collect(request, rid, chat, rids, q, extras)
+
+  def _prepare(raw: bytes, chat: bool):
+    """Body bytes -> (prompt ids, SamplingParams, prompt texts, extras), every choice
+    validated; on a worker thread (ApiError for the client)."""
+    body = _parse(raw)
     n, sp0, extras = sampling_from_body(body, chat=chat, max_model_len=max_model_len,
                                         default_max_tokens=default_max_tokens)
     extras["model"] = body.get("model", model_name)
@@ -173,6 +227,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       sp0 = dataclasses.replace(sp0, lora=extras["model"])
     if chat:
       msgs = messages_from_body(body)
+      _check_chars(sum(len(m["content"]) for m in msgs), "messages")
       try:
         text = llm.chat_prompt(msgs)
       except Exception as e:  # noqa: BLE001 -- a template error names the messages
@@ -190,14 +245,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
         prompts.append(ids)
         sps.append(dataclasses.replace(sp, seed=seed) if k else sp)
         texts.append(text)
-    kind = "chatcmpl" if chat else "cmpl"
-    rid = f"{kind}-{uuid.uuid4().hex}"
-    rids, q = await _start(request, prompts, sps, extras, texts)
-    if extras["stream"]:
-      return StreamingResponse(_stream(request, rid, chat, rids, q, extras),
-                               media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
-    return await _collect(request, rid, chat, rids, q, extras)
+    return prompts, sps, texts, extras
 
   async def _collect(request, rid, chat, rids, q, extras):
     texts = [""] * len(rids)
@@ -206,10 +254,11 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     tops: List[list] = [[] for _ in rids]
     reasons: List[Optional[str]] = [None] * len(rids)
     left = len(rids)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
       while left:
-        item = await _next(request, q)
-        if item is None:  # the client went away: free its pages
+        item = await _next_or_gone(q, gone)
+        if item is None:  # the client went away: free its pages at the next step
           for x in rids:
             service.abort(x)
           return Response(status_code=499)
@@ -230,6 +279,8 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       for x in rids:
         service.abort(x)
       raise
+    finally:
+      gone.cancel()
     choices = []
     for i in range(len(rids)):
       lp = None
@@ -351,6 +402,13 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     return Response(metrics.export(), media_type="text/plain; version=0.0.4")
 
   return app
+
+
+async def _disconnected(request: Request) -> None:
+  """Returns when the client has gone: the body is read, so the next ASGI message is the
+  disconnect."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
 
 
 def _reject_constant(c):

@@ -68,6 +68,7 @@ class EngineService:
     self._ids = itertools.count()
     self._tracks: Dict[str, _Track] = {}  # engine thread only
     self._stopping = threading.Event()
+    self.draining = False  # set by drain(): submit refuses
     self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
     self.error: Optional[BaseException] = None  # set if the loop itself died
 
@@ -93,6 +94,8 @@ class EngineService:
     Raises QueueFullError (nothing queued) past max_queue waiting requests."""
     if not self.alive:
       raise RuntimeError("the engine is not running")
+    if self.draining:
+      raise RuntimeError("the server is shutting down: no new requests")
     with self._lock:
       if self._queued >= self.max_queue:
         raise QueueFullError(f"{self._queued} requests are waiting for admission; the queue "
@@ -109,6 +112,15 @@ class EngineService:
     """Cancel a request (e.g. its client disconnected); its pages are freed by the engine
     thread. Unknown or finished ids are ignored."""
     self._cmds.put(("abort", rid, None))
+
+  def drain(self) -> None:
+    """Refuse new requests from now on; the ones already submitted run on."""
+    self.draining = True
+
+  def abort_all(self, why: str) -> None:
+    """End every submitted request now: each client gets finish_reason "abort" with `why`
+    (a drain that ran out of time); the engine serves on, empty."""
+    self._cmds.put(("abort_all", why, None))
 
   def shutdown(self, timeout: float = 30.0) -> None:
     """Stop the loop: queued and running requests are aborted (their clients get
@@ -141,6 +153,8 @@ class EngineService:
     elif cmd == "abort":
       if a in self._tracks:
         eng.abort(a)
+    elif cmd == "abort_all":
+      self._abort_all(a, refuse_pending=False)  # what follows in the queue stays
 
   def _publish(self) -> None:
     done = []
@@ -217,10 +231,15 @@ class EngineService:
       self._tracks.clear()
       self._refuse_pending("error", msg)
 
-  def _abort_all(self) -> None:
+  def _abort_all(self, why: str = "the server is shutting down",
+                 refuse_pending: bool = True) -> None:
     self.engine.abort_requests(list(self._tracks))
+    for t in self._tracks.values():  # say why in each client's last update
+      if t.request is not None and not t.request.error:
+        t.request.error = why
     self._publish()
-    self._refuse_pending("abort", "the server is shutting down")
+    if refuse_pending:
+      self._refuse_pending("abort", why)
 
   def _refuse_pending(self, reason: str, msg: str) -> None:
     """Answer the requests submitted but never added (their clients would wait forever)."""
