@@ -36,10 +36,6 @@ def check_backend(name: Union[str, AttentionSpec],
   if spec.q_precision not in kv_codec.Q_PRECISIONS:
     raise ValueError(f"unknown Q precision {spec.q_precision!r}; choose one of "
                      f"{kv_codec.Q_PRECISIONS}")
-  if spec.backend == "pallas":
-    import importlib.util
-    if importlib.util.find_spec("pallas_kernels.paged_attention.kernel") is None:
-      raise ValueError("the pallas attention backend is not built yet; use 'reference'")
   return spec
 
 

@@ -45,10 +45,9 @@ def _least_key(keys, weights, target, lo, hi):
   return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
-# Candidates: each row's most likely tokens (lax.top_k: 18 ms over [64, 49152] logits on
-# XLA:CPU, where an argsort took 1.5 s). Top-k and top-p find their thresholds among them
-# when those hold the row's cut, else by bisection over the whole row (about 100 ms each
-# at batch 64): the same thresholds either way.
+# Candidates: each row's most likely tokens (lax.top_k, not a sort: docs/design.md, the
+# sampler). Top-k and top-p find their thresholds among them when those hold the row's
+# cut, else by bisection over the whole row: the same thresholds either way.
 CANDIDATES = 256
 _UNIT = float(1 << 30)  # top-p sums probabilities in units of 2^-30: exact integer sums
 _LOWEST = -(1 << 31)

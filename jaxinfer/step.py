@@ -141,16 +141,12 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
 
 
 # XLA:CPU's loop emitters instead of its MLIR fusion emitters for every step function on
-# CPU: SmolLM2's steps compile 25-35% faster (a decode forward 1.9 -> 1.4 s, the sampler
-# 1.3 -> 0.9 s; test_engine + test_llm 208 -> 153 s) and run as fast within this machine's
-# noise (decode at batch 1/16/64 and a 512-token prefill, once the K/V write scatters one
-# window per token: kv.pool._write_one). JAXINFER_FUSION_EMITTERS=1 keeps XLA's default.
+# CPU: steps compile faster and run as fast (docs/design.md, native CPU backend).
+# JAXINFER_FUSION_EMITTERS=1 keeps XLA's default.
 CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-# Unrolled layers (a list of per-layer weight dicts: no stacked weights for lax.scan to
-# copy out of every step) are compiled with XLA:CPU's region-based copy insertion too:
-# without it XLA copied the whole donated pool twice a step to keep the 30 attention
-# reads apart from the in-place K/V write (measured: 75-89 ms a step at batch 16-64;
-# with it, batch 1 took 27.0 ms unrolled against 38.2 ms scanned).
+# Unrolled layers (a list of per-layer weight dicts) are compiled with region-based copy
+# insertion too: without it XLA:CPU copies the whole donated pool twice a step to keep the
+# attention reads apart from the in-place K/V write.
 UNROLLED_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 

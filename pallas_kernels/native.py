@@ -7,12 +7,10 @@ and OS run) and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512
 `panels_available()`). The library is compiled on first use with the machine's C++
 compiler into the cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native),
 keyed by the sources and the headers they share (native_items.h, kv_rows.h, fast_exp.h),
-the flags, the compiler and jax's version: one object per source, compiled in parallel
-(33 s of compiler time, 18-19 s of it cpu_decode.cc; 26 s on two cores), then linked and renamed
-into place atomically. A file lock makes concurrent processes (test workers, a server and
+the flags, the compiler and jax's version: one object per source, compiled in parallel,
+then linked and renamed into place atomically. A file lock makes concurrent processes (test workers, a server and
 its client) wait for one build instead of each running its own. Without a compiler, on a
-platform other than Linux, or with JAXINFER_NATIVE=0 (or the older
-JAXINFER_NATIVE_DECODE=0), `available()` is False and callers keep their XLA-op paths
+platform other than Linux, or with JAXINFER_NATIVE=0, `available()` is False and callers keep their XLA-op paths
 (logged once). Calls of up to 8 rows share their items with helper threads the library
 starts on first use (native_items.h: they poll for 2 ms after a call, then sleep);
 JAXINFER_SPIN_HELPERS=0 hands every call's items to XLA's thread pool instead.
@@ -131,8 +129,7 @@ def _compile(cxx: str, flags: list, out: str) -> None:
 
 
 def disabled() -> bool:
-  return "0" in (os.environ.get("JAXINFER_NATIVE", "1"),
-                 os.environ.get("JAXINFER_NATIVE_DECODE", "1"))
+  return os.environ.get("JAXINFER_NATIVE", "1") == "0"
 
 
 def available() -> bool:
@@ -173,9 +170,8 @@ def tiles_engines() -> tuple:
   """The engines the bf16 tile matmul runs here: ("amx", "dot") where the CPU has AMX-TILE
   and AMX-BF16 and Linux granted this process the tile state (AMX, and AVX512-BF16 dot
   products for a few rows), ("dot",) where it has AVX512-BF16 only (AMD Zen 4, Intel
-  Cooper Lake), () otherwise or when JAXINFER_BF16_TILES (or its older name JAXINFER_AMX)
-  is 0."""
-  mode = _cpu_feature("JaxinferTilesAvailable", "JAXINFER_BF16_TILES", "JAXINFER_AMX")
+  Cooper Lake), () otherwise or when JAXINFER_BF16_TILES is 0."""
+  mode = _cpu_feature("JaxinferTilesAvailable", "JAXINFER_BF16_TILES")
   return tuple(name for bit, name in ((2, "amx"), (1, "dot")) if mode & bit)
 
 

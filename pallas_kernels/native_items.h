@@ -27,20 +27,13 @@
 namespace jaxinfer {
 
 // Helper threads of the library's own, which spin between calls. Handing work to XLA's
-// intra-op pool costs the caller the wake-up of a sleeping thread (on a VM, of an idle
-// virtual CPU): measured on the 2-core AMD EPYC VM (2026-12-02), pool.Schedule took 60-70 us
-// per call on average and up to 200 us, often while the woken thread drained every item
-// (an f32 panel matmul of 576 x 576 at one row: 80-105 us where its 1.3 MB read takes ~45).
-// These threads poll for a job, yielding the core between polls, for kSpinMicros after
-// their last job, then sleep on a condition variable until the next.
+// intra-op pool costs the caller the wake-up of a sleeping thread, which on a VM can take
+// longer than a small call's work. These threads poll for a job, yielding the core between
+// polls, for kSpinMicros after their last job, then sleep on a condition variable.
 //
 // They serve calls of up to kMaxRows rows (matmul rows, decode slots): there a call is short
 // and its hand-off is the cost. Larger calls keep XLA's pool, whose threads then stay awake
-// for XLA's own parallel ops: with every call on these helpers, XLA's thread pool slept
-// between its ops, and a batch-64 bf16 step's XLA dots (ynn_fusion) took 9.7 ms instead of
-// 4.8 (step 135 vs 122 ms). Alternated SmolLM2 steps, XLA's pool vs these helpers for <= 8
-// rows: batch 1 / 256 f32 19.7 -> 18.4 ms, bf16 18.3 -> 12.8; batch 1 / 4096 f32 40.9 ->
-// 30.7, bf16 26.1 -> 19.7; batch 16 and 64 unchanged within noise.
+// for XLA's own parallel ops (docs/design.md, native CPU backend, has the step times).
 //
 // One job at a time: a caller that finds them busy (a second XLA thread) hands its items to
 // XLA's pool. JAXINFER_SPIN_HELPERS=0 turns them off (every call then uses XLA's pool).
@@ -191,14 +184,8 @@ inline void SixRowPasses(int64_t M, Pass pass) {
 
 // Whether the native calls ask for data further ahead than the hardware's own prefetchers
 // (SixRowPassesAhead's next item's weights, cpu_decode.cc's pages kDeepTokens ahead): on
-// AMD CPUs only. Measured on two 2-core VMs (alternated SmolLM2 steps, f32): on an AMD EPYC
-// (Zen 4) both gained (batch 16 / 4096 200.8 -> 159.9 ms, batch 16 / 256 50.5 -> 45.6; see
-// there); on an Intel Xeon (Sapphire Rapids, 2026-12-02, 7-9 each) both lost: without the
-// pages ahead batch 16 / 4096 226.7 -> 207.9 and 250.9 -> 230.1 ms, 64 / 1024 295.3 ->
-// 263.8, and with the pages shuffled 244.1 -> 221.5 and 334.7 -> 320.0; without the weights
-// ahead batch 16 / 256 54.7 -> 51.5, batch 64 within noise. (perf on the Intel VM: 65% of
-// the decode call's samples sat on the instruction after a software prefetch, the stall of
-// a core whose line-fill buffers are all waiting.)
+// AMD CPUs only. It made steps faster on AMD Zen 4 and slower on Intel Sapphire Rapids,
+// whose cores stalled with every line-fill buffer waiting (docs/design.md).
 inline bool FetchAhead() {
 #if defined(__x86_64__)
   static const bool amd = [] {
@@ -231,18 +218,11 @@ struct WeightsAhead {
 // SixRowPasses over rows [m0, m0 + M) for a register-blocked matmul whose next item on this
 // thread reads `lines` 64-byte lines of weights at `next` (null: none). The first pass
 // streams this item's own weights from memory while its FMAs wait on them; the passes after
-// it read them again from L2 (an item's four column blocks: 147 KB at K = 576, 393 KB at
-// 1536) and fetch the next item's meanwhile, spread evenly over their K steps, so the next
-// first pass finds its weights in L2 and memory and compute overlap. pass(mr, m0, ahead)
-// calls ahead.Step() once per k. Calls of 1-12 rows (one or two passes) fetch nothing
-// ahead: they are bound by reading, and at 8 rows (passes of 6 + 2) the second pass's burst
-// of prefetches made 30-layer loops 7-19% slower (f32 gate/up 271 -> 305 us, bf16 down 83
-// -> 97), at 12 mixed (bf16 qkv 109 -> 87, f32 o 141 -> 150); at 13 mixed too (f32 qkv 177
-// -> 200, LM head 6.66 -> 5.92 ms; bf16 within 3%). Alternated SmolLM2 steps (15 each,
-// 2026-12-02; the old loop against this one by a temporary switch): batch 16 / 256 f32 50.5
-// -> 45.6 ms, bf16 43.2 -> 37.6; batch 16 / 1024 71.3 -> 69.2 and 61.6 -> 59.4; batch 1
-// unchanged; batch 64 within the noise of repeated runs (f32 / 256 162.8 -> 167.1, bf16 /
-// 256 128.3 -> 124.0, f32 / 1024 278.7 -> 258.6, bf16 / 1024 207.6 -> 208.9).
+// it read them again from L2 and fetch the next item's meanwhile, spread evenly over their
+// K steps, so the next first pass finds its weights in L2 and memory and compute overlap.
+// pass(mr, m0, ahead) calls ahead.Step() once per k. Calls of 1-12 rows (one or two passes)
+// fetch nothing ahead: they are bound by reading, and a second pass's burst of prefetches
+// slowed them (docs/design.md).
 template <typename Pass>
 inline void SixRowPassesAhead(int64_t m0, int64_t M, int64_t K, const void* next,
                               int64_t lines, Pass pass) {
@@ -260,12 +240,8 @@ inline void SixRowPassesAhead(int64_t m0, int64_t M, int64_t K, const void* next
 
 // Rows of a matmul's column group per work item: all M, or, when a call has more than 32
 // rows and fewer than 24 column groups, half of them each (a multiple of six), so two
-// threads share such a call's items evenly: SmolLM2's o and down have 9 groups of 64
-// columns (one thread ran 5 of them, the other 4), qkv 15. 30-layer loops at 64 rows,
-// alternated (2026-12-02), whole groups / halves: f32 qkv 605.5 / 593.9 us, o 424.3 /
-// 394.4, down 939.5 / 810.0; bf16 355.3 / 307.9, 239.3 / 198.9, 578.0 / 441.8. Engine steps
-// at batch 64 (15 each): f32 / 256 165.3 / 169.1 ms and, 25 each, 189.8 / 154.2; bf16 / 256
-// 102.6 / 99.0 and 107.8 / 106.0; / 1024 f32 257.9 / 252.9, bf16 207.3 / 201.6.
+// threads share such a call's items evenly (SmolLM2's o and down have 9 groups of 64
+// columns: whole, one thread ran 5 of them and the other 4).
 inline int64_t RowsPerItem(int64_t M, int64_t groups) {
   if (M <= 32 || groups >= 24) return M;
   return ((M + 11) / 12) * 6;

@@ -85,3 +85,59 @@ def test_no_comment_cites_a_document_outside_the_repository():
             if _OUTSIDE.search(line):
               hits.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
   assert not hits, "\n".join(hits)
+
+
+def _code_files(tops=("jaxinfer", "pallas_kernels", "tools", "experiments", "configs", "tests")):
+  for top in tops:
+    for d, _, files in os.walk(os.path.join(ROOT, top)):
+      for name in files:
+        if name.endswith((".py", ".cc", ".h")):
+          yield os.path.join(d, name)
+
+
+def test_every_source_file_named_in_code_or_docs_exists():
+  """A comment, docstring or page that names a .py / .cc / .h file names one that is here
+  (a renamed file had left its old name behind in comments and the design page)."""
+  here = {name for top in ("jaxinfer", "pallas_kernels", "tools", "experiments", "configs",
+                           "tests", "docs")
+          for _, _, files in os.walk(os.path.join(ROOT, top)) for name in files}
+  named = re.compile(r"(?<![\w.])([\w/]+\.(?:py|cc|h))\b")
+  pages = [os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
+           if n.endswith(".md")] + [os.path.join(ROOT, "README.md")]
+  missing = []
+  for path in list(_code_files()) + pages:
+    with open(path, errors="replace") as f:
+      for i, line in enumerate(f, 1):
+        if line.lstrip().startswith("#include"):
+          continue
+        for m in named.findall(line):
+          if os.path.basename(m) not in here:
+            missing.append(f"{os.path.relpath(path, ROOT)}:{i}: {m}")
+  assert not missing, "\n".join(missing)
+
+
+# A number with a unit of time, rate or throughput, or a date: what a measurement log is
+# made of.
+_MEASURED = re.compile(r"\d+(?:\.\d+)?\s?(?:ms|us|µs|GB/s|MB/s|GFLOP/s|TFLOP/s|tok/s)\b|"
+                       r"20\d\d-\d\d-\d\d")
+
+
+def test_no_comment_block_is_a_measurement_log():
+  """Comments state intent; the measurements behind a choice live in docs/design.md. A
+  block of more than three comment lines may carry at most one measured figure."""
+  logs = []
+  for path in _code_files():
+    mark = "//" if path.endswith((".cc", ".h")) else "#"
+    block = []
+    with open(path, errors="replace") as f:
+      lines = f.read().splitlines() + [""]
+    for i, line in enumerate(lines, 1):
+      if line.strip().startswith(mark):
+        block.append(line)
+        continue
+      figures = sum(len(_MEASURED.findall(b)) for b in block)
+      if len(block) > 3 and figures > 1:
+        logs.append(f"{os.path.relpath(path, ROOT)}:{i - len(block)}: {len(block)} lines, "
+                    f"{figures} figures")
+      block = []
+  assert not logs, "\n".join(logs)

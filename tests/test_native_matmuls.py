@@ -70,13 +70,12 @@ def test_matmul_matches_reference():
 
 
 @needs_tiles
-def test_the_switch_and_its_older_name_turn_the_tiles_off(monkeypatch):
-  """JAXINFER_BF16_TILES=0 (and the older JAXINFER_AMX=0) leave bf16 weights to XLA's dot:
-  no engine is offered (test_model_hf checks the executor's layout under the switch)."""
-  for name in ("JAXINFER_BF16_TILES", "JAXINFER_AMX"):
-    with monkeypatch.context() as m:
-      m.setenv(name, "0")
-      assert tiles.engines() == () and not tiles.available()
+def test_the_switch_turns_the_tiles_off(monkeypatch):
+  """JAXINFER_BF16_TILES=0 leaves bf16 weights to XLA's dot: no engine is offered
+  (test_model_hf checks the executor's layout under the switch)."""
+  with monkeypatch.context() as m:
+    m.setenv("JAXINFER_BF16_TILES", "0")
+    assert tiles.engines() == () and not tiles.available()
   assert tiles.engines()
 
 

@@ -92,9 +92,8 @@ def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
     pool[ps_name] = scales
     return
   # One update window [L, K, 1, 1, Hc] per token (indices on the page and offset axes
-  # only): T updates instead of L * T * K rows. XLA:CPU's loop emitter runs a scatter
-  # one update at a time, and L * K = 90 times more updates cost SmolLM2 18 ms per
-  # batch-64 step there.
+  # only): T updates instead of L * T * K rows, since XLA:CPU's loop emitter runs a
+  # scatter one update at a time.
   c, s = kv_codec.encode(fmt, x)
   pool[name] = codes.at[:L, :, page_ids, offsets].set(c.swapaxes(1, 2), mode="drop")
   if s is not None:

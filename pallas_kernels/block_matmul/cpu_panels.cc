@@ -1,8 +1,8 @@
 // float32 weight matmul on AVX-512 for XLA:CPU, as an XLA FFI custom call (see
 // block_matmul/panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
 // read where it lies (a leading layer axis and a layer operand, as cpu_matmul.cc): a
-// scanned model never copies a layer's slice out of the stack, which XLA:CPU does for its
-// own dot (35 of a 63 ms SmolLM2 step at batch 1).
+// scanned model never copies a layer's slice out of the stack, as XLA:CPU does for its
+// own dot.
 //
 // Panel layout of W [K, N] (panels.pack): [N / 16, K, 16], i.e. each block of 16 output
 // columns is one contiguous stream of K rows of 16 floats (one zmm register each).

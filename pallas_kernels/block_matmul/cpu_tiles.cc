@@ -152,12 +152,10 @@ JX_AMX void Tile(const Args& a, int64_t m0, int64_t j0, float* tmp) {
 }
 
 // The dot-product engine. On AMX machines it takes calls of up to kMaxDotRows rows (decode
-// at small batches): a 16-row A tile would carry M of 16 rows, and the B tiles' stream ran
-// at 11-15 GB/s (bf16 SmolLM2 at batch 1: 24 ms of weight matmuls a step for 270 MB). Steps
-// alternated with the tile path inside one process (30 each, 2026-12-02): batch 1 medians
-// 21.6 -> 18.8 and 20.8 -> 17.0 ms, batch 4 21.4 -> 20.4 and 21.5 -> 20.6 ms. Elsewhere it
-// takes every call. Each 64-byte row of a column block (16 columns, a pair of K each) meets
-// a row's pair of x in one VDPBF16PS; the MR x NB accumulators are independent chains.
+// at small batches), where a 16-row A tile would carry mostly padding and the B tiles'
+// stream reads slower than this path; elsewhere it takes every call. Each 64-byte row of a
+// column block (16 columns, a pair of K each) meets a row's pair of x in one VDPBF16PS;
+// the MR x NB accumulators are independent chains.
 template <int MR, int NB>
 JX_BF16DOT void DotPass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& pf) {
   const int64_t half = a.K / 2, blk = half * 32;

@@ -41,23 +41,13 @@ constexpr int kMaxG = 16;
 constexpr int64_t kMinSplitTokens = 512;  // context tokens per split-K part, at least
 constexpr int64_t kMaxSplits = 8;
 // Tokens per online-softmax chunk: the K pass scores this many tokens (their K rows read
-// as one stream), then the V pass reads their V rows (another stream). Measured (AMD EPYC,
-// SmolLM2's shapes, 30 layers, batch 16 / context 4096, f32, alternated in one process):
-// chunks of 64 tokens 208-237 ms, 512 159-181, 1024 137-170, 2048 148-158; the K pass
-// alone 59 ms and the V pass alone 89 ms, so switching between the two streams every
-// four pages had cost more than either.
+// as one stream), then the V pass reads their V rows (another stream). Long chunks switch
+// between the two streams rarely; the size was chosen by step times (docs/design.md).
 constexpr int64_t kChunkTokens = 1024;
 // How far ahead, in tokens, a K or V page's rows are asked into L2 besides the next page's
-// into L1 (Pool::PrefetchRows): the next page alone left one thread reading 6.6 GB/s from
-// pages in a shuffled order and 14.6 in order (a single-thread harness calling Attend, batch
-// 64 / context 1024, f32); also asking for the page 2-4 pages ahead into L2 gave 11-12 and
-// 16.7-17.4 GB/s (prefetcht2 instead of t1: the same within noise; four pages ahead into
-// L1 instead of one, an earlier round: slower). Alternated SmolLM2 f32 steps (11 each, pages in
-// order, 2026-12-02), none / 3 / 4 / 6 / 8 pages of 16 ahead: batch 16 / 4096 200.8 /
-// 164.0 / 159.9 / 161.2 / 159.8 ms, batch 64 / 1024 281.5 / 257.1 / 260.0 / 265.4 / 257.6;
-// in another run none / 2 / 4: batch 16 / 1024 71.7 / 66.7 / 65.6, batch 1 / 4096 28.3 /
-// 27.8 / 27.6. On AMD CPUs only (native_items.h's FetchAhead: on an Intel Sapphire Rapids
-// VM the same look-ahead made steps 8-11% slower).
+// into L1 (Pool::PrefetchRows): the next page alone left a thread reading pages well below
+// the machine's rate, above all in a shuffled order. On AMD CPUs only (native_items.h's
+// FetchAhead); the distance was chosen by step times (docs/design.md).
 constexpr int64_t kDeepTokens = 64;
 // Vector registers the compiler may use (AVX-512VL gives 8-float vectors 32 of them).
 #ifdef __AVX512VL__
@@ -146,11 +136,8 @@ struct DeepPage {
 
 // The page a.deep pages after page j of the chunk at token c0 of item (r, lk, tokens below
 // n), in the K pass (v false) or the V pass, in the order a thread reads pages: a chunk's K
-// pages, its V pages, the next chunk's K pages, then `after`'s (the thread's next item).
-// Against looking ahead within the pass's own pages only (a chunk's first pages then came
-// unasked), alternated steps (15 each, 2026-12-02): batch 64 / 1024 bf16 215.8 -> 208.8 ms,
-// f32 244.2 -> 230.6; batch 16 / 4096 149.0 -> 140.6 and 154.0 -> 148.9; batch 1 / 1024
-// unchanged.
+// pages, its V pages, the next chunk's K pages, then `after`'s (the thread's next item), so
+// a chunk's first pages are asked for too, not only those within the pass.
 inline DeepPage Deep(const Args& a, int64_t r, int64_t lk, int64_t c0, int64_t n, int64_t j,
                      bool v, const Ahead& after) {
   const int64_t ps = a.kp.ps, chunk = ps * (kChunkTokens / ps);
@@ -190,10 +177,8 @@ inline Ahead Next(const Args& a, int64_t r, int64_t lk, int64_t t0, int64_t n, A
 // the G x CB accumulators, CB V vectors and a weight in `regs` vector registers (one spilled
 // accumulator made every token wait on a store and its reload); 1 where the shape is not
 // known. SmolLM2 (8 8-float vectors a row, G = 3): 2 with AVX2's 16 registers, 4 with
-// AVX-512's 32 (two passes over a page's V rows instead of four; with 1024-token chunks,
-// batch 16 / context 4096: 134-142 ms against 231-235 for the AVX2 build, builds run one
-// after the other, 2026-12-02). AVX-512F builds take 16-float vectors where the shape is
-// known: SmolLM2 all 4 at once, Qwen3-8B (8 a row, G = 4) 2 blocks of 4.
+// AVX-512's 32. AVX-512F builds take 16-float vectors where the shape is known: SmolLM2
+// all 4 at once, Qwen3-8B (8 a row, G = 4) 2 blocks of 4.
 constexpr int64_t ColumnBlock(int vectors, int g, int regs = kVecRegs) {
   int64_t cb = 1;
   for (int64_t c = 1; vectors && g && c <= vectors && (g + 1) * c + 1 <= regs; ++c)
@@ -265,9 +250,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       const int64_t cnt = cn - p0 < ps ? cn - p0 : ps;
       // the next page's K rows (or, on the last page, the first page of the thread's next
       // item) during this page's scores; V rows are asked for a page ahead in the V pass
-      // (K and V both here, V then read a chunk later: 3-7% slower, alternated: batch 16 /
-      // 4096 126.1 vs 122.1 ms, batch 64 / 1024 192.8 vs 183.5, batch 1 / 4096 12.7 vs
-      // 12.1, shuffled pages 279.0 vs 267.3)
+      // (asking for both here, V then read a chunk later, was slower)
       const Ahead nx = Next(a, r, lk, c0 + p0, n, after);
       const DeepPage dp = Deep(a, r, lk, c0, n, p0 / ps, false, after);
       const int64_t cnt_next = nx.cnt;
@@ -342,13 +325,9 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       const int64_t page = PageAt(a, r, c0 + p0);
       const int64_t cnt = cn - p0 < ps ? cn - p0 : ps;
       // The page's V rows (decoded into vpage unless f32), then acc += s V a block of CB
-      // column vectors at a time, tokens innermost: G x CB accumulators stay in registers
-      // (all G x H / 8 of them did not fit: every FMA was a load and a store).
+      // column vectors at a time, tokens innermost: G x CB accumulators stay in registers.
       // The chunk's next page of V rows is asked for a row per token during the first
-      // column block (the whole page at once stalled on the line-fill buffers: 13% of the
-      // call's samples in cache; spread, alternated: f32 in cache 6.0 -> 5.5 ms, batch 16
-      // / 4096 153.0 -> 145.9, batch 64 / 1024 148.5 -> 144.6, batch 1 / 4096 11.8 ->
-      // 11.3; q8_0 73.2 -> 75.7 and shuffled pages 257.8 -> 263.5, within their noise).
+      // column block (the whole page at once stalled on the line-fill buffers).
       const int64_t vnext = p0 + ps < cn ? PageAt(a, r, c0 + p0 + ps) : 0;
       const DeepPage vdp = Deep(a, r, lk, c0, n, p0 / ps, true, after);
       const int64_t vcnt = p0 + ps < cn ? (cn - p0 - ps < ps ? cn - p0 - ps : ps) : 0;

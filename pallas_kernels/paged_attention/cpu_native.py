@@ -7,9 +7,8 @@ and reduces it with separate fusions, so each KV byte crosses memory 3-4 times
 the pages where they lie, once, in an XLA FFI handler that runs on XLA's own intra-op
 thread pool.
 
-Without the native library (no compiler, not Linux, JAXINFER_NATIVE=0 or
-JAXINFER_NATIVE_DECODE=0) `available()` is False and the `xla` backend keeps its XLA-op
-decode path.
+Without the native library (no compiler, not Linux, JAXINFER_NATIVE=0) `available()` is
+False and the `xla` backend keeps its XLA-op decode path.
 """
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ log = logging.getLogger(__name__)
 TARGET = "jaxinfer_paged_decode"
 _FORMATS = {"f32": 0, "bf16": 1, "fp8": 2, "q8_0": 3, "q4_0": 4}
 # Below this many (cached token, KV head) pairs a call runs on the calling thread alone:
-# scheduling a helper costs more than it saves. Measured (SmolLM2's shapes, 30 calls, two
-# cores): 192 pairs 0.60 ms with helpers vs 0.32 alone, 768 pairs 0.98 vs 0.99, 3072
-# pairs 2.81 vs 3.65 (one request) and 2.46 vs 4.09 (four).
+# scheduling a helper costs more than it saves (docs/design.md, native CPU backend).
 MIN_PARALLEL_TOKENS = 1024
 
 

@@ -15,7 +15,7 @@ x86 machine (per-op profile in the README's performance section):
   on XLA's thread pool: no XLA-op form avoids gathering, masking and reducing each block
   in separate passes over memory (measured 2.3x faster at batch 16, context 4096). The
   XLA-op decode path below runs on other platforms, when the library cannot be built,
-  or with JAXINFER_NATIVE=0 (or JAXINFER_NATIVE_DECODE=0).
+  or with JAXINFER_NATIVE=0.
 - Decode slots on the XLA-op path: with more than
   MAX_DOT_FORM_SLOTS slots it is written as multiply-and-reduce over [K, R, S, G, H]
   rather than as dots (a G-row dot per (head, request) runs 4-5x under XLA:CPU's dot
@@ -118,7 +118,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
     native = jax.default_backend() == "cpu" and cpu_native.available()
   elif native and not cpu_native.available():
     raise RuntimeError("native=True, but the CPU decode custom call is unavailable (the log "
-                       "says why: JAXINFER_NATIVE=0 or JAXINFER_NATIVE_DECODE=0, or its build "
+                       "says why: JAXINFER_NATIVE=0, or its build "
                        "failed)")
   if native and native_decode_supported(q.shape, k_new.shape[1], pool["k"].shape[3]):
     def on_cpu(*args):
