@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from experiments.common import ROOT, Progress, run_binary, write_json
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 
 def _tables(c, shapes, max_tokens, max_seqs, max_pages, cost):

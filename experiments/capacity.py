@@ -11,7 +11,7 @@ from absl import app, flags
 
 from jaxinfer.config import get_model_config
 from jaxinfer.kv import bytes_per_token
-from jaxinfer.runtime import accounting
+from jaxinfer.costmodel import accounting
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS

@@ -11,7 +11,7 @@ import string
 
 from absl import app, flags
 
-from jaxinfer.runtime import accounting
+from jaxinfer.costmodel import accounting
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS

@@ -26,7 +26,7 @@ from jaxinfer import costmodel
 from jaxinfer.costmodel import formulas as F
 from jaxinfer.costmodel.select import plot_plane, select
 from jaxinfer.plotting import pyplot, save
-from jaxinfer.runtime import accounting
+from jaxinfer.costmodel import accounting
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.runtime.batcher import SeqWork, StepInput, pack_exact
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 
 def median_time(fn: Callable, *args, repeats: int = 5, warm: bool = True) -> float:

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.buckets import Bucket, BucketTable, geometric
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 STRATEGIES = ("pow2", "pow4", "linear", "exact", "fitted")
 

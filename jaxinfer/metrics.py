@@ -1,5 +1,7 @@
 """Serving metrics (8.1, 8.6): TTFT, ITL, end-to-end, queueing, throughput, goodput,
-Little's law, and per-step records; exported as JSON-ready dicts."""
+Little's law, and per-step records; exported as JSON-ready dicts. Requests are read by
+their attributes (runtime/request.py's Request); this module imports nothing of the
+runtime."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +9,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from jaxinfer.runtime.request import Request, State
 
 
 @dataclasses.dataclass
@@ -40,13 +41,13 @@ def _pct(xs, q):
   return float(np.percentile(xs, q)) if len(xs) else None
 
 
-def summarize(requests: Sequence[Request], steps: Sequence[StepRecord] = (),
-              correct: Optional[Callable[[Request], bool]] = None) -> Dict:
+def summarize(requests: Sequence, steps: Sequence[StepRecord] = (),
+              correct: Optional[Callable[[object], bool]] = None) -> Dict:
   """Aggregate metrics. Time runs from the earliest scheduled arrival to the last finish.
   Goodput (8.6.2) counts requests that are correct (by `correct`, default: finished) and
   done by their deadline; completion throughput counts every completion."""
   reqs = list(requests)
-  done = [r for r in reqs if r.state == State.FINISHED]
+  done = [r for r in reqs if r.state.value == "finished"]
   t0 = min((r.arrival_time for r in reqs), default=0.0)
   t1 = max((r.finished_at for r in reqs if r.finished_at is not None), default=t0)
   span = max(t1 - t0, 1e-12)
@@ -63,8 +64,8 @@ def summarize(requests: Sequence[Request], steps: Sequence[StepRecord] = (),
   return {
       "num_requests": len(reqs),
       "num_finished": len(done),
-      "num_cancelled": sum(r.state == State.CANCELLED for r in reqs),
-      "num_rejected": sum(r.state == State.REJECTED for r in reqs),
+      "num_cancelled": sum(r.state.value == "cancelled" for r in reqs),
+      "num_rejected": sum(r.state.value == "rejected" for r in reqs),
       "makespan_s": span,
       "output_tokens": out_tokens,
       "throughput_tok_s": out_tokens / span,
@@ -92,7 +93,7 @@ def summarize(requests: Sequence[Request], steps: Sequence[StepRecord] = (),
   }
 
 
-def request_record(r: Request, t0: float = 0.0) -> Dict:
+def request_record(r, t0: float = 0.0) -> Dict:
   """One request as a JSON-able dict; times (s) relative to t0."""
   rel = lambda t: None if t is None else t - t0  # noqa: E731
   return {"request_id": r.request_id, "state": r.state.value, "arrival_s": rel(r.arrival_time),

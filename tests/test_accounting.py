@@ -5,7 +5,7 @@ import sys
 
 from jaxinfer.config import QWEN3_8B
 from jaxinfer.kv import bytes_per_token
-from jaxinfer.runtime import accounting
+from jaxinfer.costmodel import accounting
 
 MIB = 2**20
 

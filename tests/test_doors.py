@@ -10,9 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_runtime_imports_no_jax():
   code = ("import sys\n"
           "import jaxinfer.runtime.engine, jaxinfer.runtime.speculative, jaxinfer.metrics\n"
-          "import jaxinfer.runtime.accounting, jaxinfer.costmodel.formulas\n"
+          "import jaxinfer.costmodel.accounting, jaxinfer.costmodel.formulas\n"
           "import jaxinfer.structured, jaxinfer.structured.grammar, llguidance\n"
-          "import jaxinfer.lora, jaxinfer.lora.slots, jaxinfer.costmodel.lora\n"
+          "import jaxinfer.lora, jaxinfer.runtime.adapter_slots, jaxinfer.costmodel.lora\n"
           "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]\n"
           "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -65,12 +65,22 @@ def test_model_never_imports_the_runtime_executors_or_serving():
 
 
 def test_runtime_sees_adapter_ids_and_slot_counts_only():
-  """lora/'s device ops belong to the model and the step; the runtime may
-  use the host-side slot table alone."""
+  """lora/'s files and device ops belong to loading, the model and the step; the runtime
+  keeps its own slot table and imports nothing of lora/."""
   for f in (ROOT / "jaxinfer" / "runtime").rglob("*.py"):
     for mod, name in _imports(f):
-      if mod.startswith("jaxinfer.lora"):
-        assert mod == "jaxinfer.lora.slots", f"{f.name} imports {mod}"
+      assert not mod.startswith("jaxinfer.lora"), f"{f.name} imports {mod}"
+
+
+def test_arrows_point_down():
+  """metrics, costmodel and lora never import the runtime (its engine, requests, pages);
+  page arithmetic lives in costmodel/accounting.py, which both sides import."""
+  for sub in ("costmodel", "lora"):
+    for f in (ROOT / "jaxinfer" / sub).rglob("*.py"):
+      for mod, _ in _imports(f):
+        assert not mod.startswith("jaxinfer.runtime"), f"{sub}/{f.name} imports {mod}"
+  for mod, _ in _imports(ROOT / "jaxinfer" / "metrics.py"):
+    assert not mod.startswith("jaxinfer.runtime"), f"metrics.py imports {mod}"
 
 
 def test_drafters_use_the_scheduler_and_executor_doors_not_the_engine():

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import requires_hf
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.lora import AdapterError, AdapterSlots, load_peft, save_peft
+from jaxinfer.lora import AdapterError, load_peft, save_peft
+from jaxinfer.runtime.adapter_slots import AdapterSlots
 from jaxinfer.lora.adapter import random_adapter_factors
 
 requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,

@@ -37,7 +37,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   from jaxinfer import bucket_plan as bp
   from jaxinfer import strict_json
-  from jaxinfer.runtime.accounting import pages_for
+  from jaxinfer.costmodel.accounting import pages_for
   for name in ("max_shapes", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                "page_size", "max_sizes"):
     if getattr(FLAGS, name) < 1:

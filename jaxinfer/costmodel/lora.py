@@ -12,7 +12,7 @@ import dataclasses
 from typing import Sequence, Tuple
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",

@@ -12,7 +12,7 @@ from jaxinfer.config import get_model_config
 from jaxinfer.costmodel.hardware import load_hardware
 from jaxinfer.costmodel.roofline import ModelCosts, RooflineStepModel, load_calibration
 from jaxinfer.plotting import pyplot, save
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 MIB = 2**20
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs",

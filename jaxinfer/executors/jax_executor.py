@@ -46,7 +46,7 @@ class JaxExecutor:
     lora_adapters (LoraAdapter), max_loras, max_lora_rank, lora_targets: multi-LoRA
     (8.2.1): a device pool of max_loras slots of rank max_lora_rank over lora_targets
     (default: every target of the given adapters); the adapters wait in host memory
-    until a request needs them (jaxinfer.lora.slots). lora_mode: one of lora.ops.MODES
+    until a request needs them (jaxinfer.runtime.adapter_slots). lora_mode: one of lora.ops.MODES
     for every step carrying adapters (benchmarks, tests); default: the measured winners
     (ops.DECODE_MODE for decode-only steps, ops.PREFILL_MODE otherwise).
     devices: the devices this executor runs on (default: the first one); several: tensor

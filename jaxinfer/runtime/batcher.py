@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from jaxinfer.buckets import Bucket, BucketTable
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 from jaxinfer.structured.grammar import mask_words as _row_words
 
 

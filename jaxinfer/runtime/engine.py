@@ -98,7 +98,7 @@ class Engine:
                                step_model=step_model if step_model is not None
                                else executor.step_model)
     if executor.max_loras:  # multi-LoRA: which adapter holds which device slot (8.2.1)
-      from jaxinfer.lora.slots import AdapterSlots
+      from jaxinfer.runtime.adapter_slots import AdapterSlots
       self.scheduler.adapters = AdapterSlots(executor.max_loras)
     self.disabled_loras: Dict[str, str] = {}  # adapter -> why it was taken out of service
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)

@@ -27,7 +27,7 @@ import dataclasses
 import heapq
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from jaxinfer.runtime.accounting import pages_for
+from jaxinfer.costmodel.accounting import pages_for
 
 Copy = Tuple[int, int]  # (src page, dst page) for the device to copy before the step
 
