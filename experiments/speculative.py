@@ -136,6 +136,36 @@ def main(argv):
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "speculative.json"), "w") as f:
       strict_json.dump({"real": real, "sim": sim}, f, indent=1)
+    plot(real, sim, os.path.join(FLAGS.output_dir, "speculative.png"))
+
+
+def plot(real, sim, path: str) -> None:
+  """Left: time per output token on this CPU per task, concurrency and drafter; right:
+  simulated Qwen3-8B time per token against the draft length, one line per acceptance."""
+  from jaxinfer.plotting import pyplot, save
+  plt = pyplot()
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+  groups = sorted({(r["task"], r["concurrency"]) for r in real})
+  drafters = list(dict.fromkeys(r["drafter"] for r in real))
+  width = 0.8 / max(len(drafters), 1)
+  for j, d in enumerate(drafters):
+    ys = [next((r["ms_per_output_token"] for r in real if (r["task"], r["concurrency"]) == g
+                and r["drafter"] == d), 0.0) for g in groups]
+    ax1.bar([i + j * width for i in range(len(groups))], ys, width, label=d)
+  ax1.set_xticks([i + width * (len(drafters) - 1) / 2 for i in range(len(groups))])
+  ax1.set_xticklabels([f"{t}\nconc {c}" for t, c in groups])
+  ax1.set_ylabel("ms per output token")
+  ax1.set_title("SmolLM2 on this CPU (real)")
+  ax1.legend(fontsize=8)
+  for a in sorted({r["acceptance"] for r in sim}):
+    rows = sorted((r for r in sim if r["acceptance"] == a), key=lambda r: r["draft_len"])
+    ax2.plot([r["draft_len"] for r in rows], [r["ms_per_output_token"] for r in rows], "o-",
+             label=f"acceptance {a}")
+  ax2.set_xlabel("draft length (0: plain decoding)")
+  ax2.set_ylabel("ms per output token")
+  ax2.set_title("Qwen3-8B on RTX PRO 6000 (simulated)")
+  ax2.legend(fontsize=8)
+  save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

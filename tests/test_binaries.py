@@ -88,6 +88,7 @@ def test_speculative_small(tmp_path):
   for r in d["real"]:
     assert _printed(out, r["drafter"], f"{r['ms_per_output_token']:.1f}",
                     f"{r['mean_tokens_per_round']:.2f}"), r
+  assert (tmp_path / "speculative.png").stat().st_size > 10_000
 
 
 def test_batch_sweep_simulation_matches_chapter():
