@@ -23,6 +23,22 @@ from jaxinfer.runtime.batcher import SeqWork, StepInput, pack_exact
 from jaxinfer.costmodel.accounting import pages_for
 
 
+def machine_stamp(command: str) -> dict:
+  """Where and how a benchmark ran: CPU model, cores, jax version and backend, UTC date,
+  the exact command (stamped on every benchmark JSON and the pages made from it)."""
+  import os
+  import platform
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
+          "backend": jax.default_backend(),
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command}
+
+
 def median_time(fn: Callable, *args, repeats: int = 5, warm: bool = True) -> float:
   """Median seconds of fn(*args), after one untimed call (compilation, first touch) unless
   warm=False (the caller made it)."""

@@ -49,6 +49,13 @@ def test_report_writes_the_performance_page_from_json(tmp_path):
   assert f"| {row['prompts']} | {row['weight_format']} |" in text
   assert format(row["out_tok_s"], ".1f") in text
   assert (tmp_path / "img" / "performance_e2e.png").stat().st_size > 1000
+  soak = os.path.join(ROOT, "tests", "data", "soak_small.json")  # a real one-minute run
+  with open(soak) as f:
+    srun = json.load(f)
+  text = report.render([FIXTURE, soak], str(out))
+  assert "## Soak" in text and f"{srun['requests']} requests" in text
+  for name, chk in srun["checks"].items():
+    assert f"| {name} | {'yes' if chk['ok'] else 'NO'} | {chk['detail']} |" in text
   bad = tmp_path / "bad.json"
   bad.write_text('{"x": 1}')
   assert report.main(["report.py", str(bad), f"--output={tmp_path / 'x.md'}"]) == 2
@@ -141,3 +148,17 @@ def test_no_comment_block_is_a_measurement_log():
                     f"{figures} figures")
       block = []
   assert not logs, "\n".join(logs)
+
+
+STUDY_FIGURES = ("batch_sweep", "scheduling_budget", "scheduling_jax_chunked", "prefix_reuse",
+                 "kv_quality_fidelity", "kv_quality_grids", "goodput", "config_select",
+                 "buckets", "speculative", "offload", "lora")
+
+
+def test_the_studies_page_shows_each_study_figure():
+  """Each study's figure, as its binary writes it, is on the studies page."""
+  page = open(os.path.join(ROOT, "docs", "studies.md")).read()
+  shown = set(re.findall(r"!\[[^\]]*\]\(img/studies/([\w-]+)\.png\)", page))
+  assert set(STUDY_FIGURES) <= shown, sorted(set(STUDY_FIGURES) - shown)
+  for name in shown:
+    assert os.path.getsize(os.path.join(ROOT, "docs", "img", "studies", name + ".png")) > 10_000

@@ -29,7 +29,6 @@ bench_e2e.json (and nothing else) under --output_dir; tools/report.py renders it
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 
@@ -65,17 +64,8 @@ def prompts(n: int, length: int, vocab: int):
 
 
 def machine() -> dict:
-  import jax
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
-          "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                   time.gmtime()),
-          "command": "python tools/bench_e2e.py " + " ".join(sys.argv[1:])}
+  from jaxinfer.benchmarking import machine_stamp
+  return machine_stamp("python tools/bench_e2e.py " + " ".join(sys.argv[1:]))
 
 
 class Ours:

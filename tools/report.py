@@ -4,8 +4,8 @@ current figures only; earlier ones live in git history.
 
   python tools/report.py out/bench_e2e/bench_e2e.json --output=docs/performance.md
 
-Inputs: bench_e2e.json files (tools/bench_e2e.py). The figure goes beside the page
-(`<output dir>/img/performance_e2e.png`).
+Inputs: bench_e2e.json files (tools/bench_e2e.py), whose figures go beside the page
+(`<output dir>/img/performance_e2e.png`), and soak.json files (tools/soak.py).
 """
 from __future__ import annotations
 
@@ -63,6 +63,28 @@ def e2e_section(data: dict, img_rel: str | None) -> str:
   return "\n".join(out)
 
 
+def soak_section(data: dict) -> str:
+  """tools/soak.py's run: requests by kind and outcome, latency, and its checks."""
+  c = data["config"]
+  command = (data.get("machine") or {}).get("command") or (
+      f"python tools/soak.py --minutes={c['minutes']:g} --concurrency={c['concurrency']}")
+  where = (f" on {data['machine']['cpu']} ({data['machine']['cores']} cores), jax "
+           f"{data['machine']['jax']}" if data.get("machine") else "")
+  out = [f"## Soak: the server under a mixed, faulty load ({c['model']})", "",
+         f"Measured {data['date']}{where}, by `{command}`: {data['requests']} requests from "
+         f"{c['concurrency']} clients in {data['run_s'] / 60:.1f} min, "
+         f"{data['generated_tokens']:.0f} tokens generated.", "",
+         "| kind | outcomes | p50 s | p99 s |", "|---|---|---|---|"]
+  for kind, outcomes in data["by_kind"].items():
+    p50, p99 = data["seconds_p50_p99"][kind]
+    out.append(f"| {kind} | {', '.join(f'{o} {n}' for o, n in sorted(outcomes.items()))} | "
+               f"{p50:.2f} | {p99:.2f} |")
+  out += ["", "| check | holds | detail |", "|---|---|---|"]
+  for name, chk in data["checks"].items():
+    out.append(f"| {name} | {'yes' if chk['ok'] else 'NO'} | {chk['detail']} |")
+  return "\n".join(out) + "\n"
+
+
 def figure(data: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -96,8 +118,12 @@ def render(inputs, output: str, plot: bool = True) -> str:
   for i, path in enumerate(inputs):
     with open(path) as f:
       data = json.load(f)
+    if "checks" in data and "by_kind" in data:
+      parts.append(soak_section(data))
+      continue
     if "single" not in data and "batch" not in data:
-      raise ValueError(f"{path}: not a bench_e2e.json (no 'single' or 'batch' rows)")
+      raise ValueError(f"{path}: neither a bench_e2e.json (no 'single' or 'batch' rows) nor "
+                       "a soak.json")
     img = None
     if plot:
       img = f"img/performance_e2e{'' if i == 0 else f'_{i}'}.png"
@@ -122,7 +148,7 @@ def main(argv) -> int:
     else:
       inputs.append(a)
   if not inputs:
-    print("error: give one or more bench_e2e.json files", file=sys.stderr)
+    print("error: give one or more bench_e2e.json or soak.json files", file=sys.stderr)
     return 2
   try:
     render(inputs, output, plot)

@@ -424,7 +424,9 @@ def _report(records, before, after, rss, exit_code, ready_s, run_s) -> dict:
                                   f"({100 * (end_rss / base_rss - 1):+.1f}%)"},
       "SIGTERM exits 0": {"ok": exit_code == 0, "detail": f"exit code {exit_code}"},
   }
+  from jaxinfer.benchmarking import machine_stamp
   return {
+      "machine": machine_stamp("python tools/soak.py " + " ".join(sys.argv[1:])),
       "config": {k: getattr(FLAGS, k) for k in ("minutes", "concurrency", "model",
                                                  "max_num_seqs", "max_num_batched_tokens",
                                                  "max_model_len", "max_prompt_chars",
