@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
+from typing import List, Optional, Sequence
+
 from jaxinfer import strict_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,3 +74,71 @@ def few_buckets(step_tokens: int, chunk: int, max_running: int, max_len: int,
   return BucketTable(token_sizes=tuple(sizes), request_sizes=(R,),
                      page_table_sizes=(-(-max_len // 16),), query_sizes=(min(chunk, sizes[-1]),),
                      prefill_slot_sizes=tuple(prefill_slots or ()))
+
+
+def project_texts() -> List[str]:
+  """The project's own prose (experiments/data/texts.txt), one paragraph each."""
+  with open(os.path.join(ROOT, "experiments", "data", "texts.txt")) as f:
+    return [t.strip() for t in f.read().split("\n\n") if t.strip()]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_server(args: Sequence[str], port: int, log_path: str,
+                 timeout_s: float = 600.0) -> subprocess.Popen:
+  """`python -m jaxinfer serve --port=PORT ARGS...` with its output in `log_path` (a file,
+  not a pipe nobody reads: a full pipe blocks the server), once /health answers; raises
+  RuntimeError naming the log if it exits or is not up within timeout_s (bounded)."""
+  os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+  log = open(log_path, "w")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", f"--port={port}",
+                           *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited {proc.returncode}; its log: {log_path}")
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+        if r.status == 200:
+          return proc
+    except OSError:
+      time.sleep(0.5)
+  proc.kill()
+  raise RuntimeError(f"server did not come up in {timeout_s:.0f} s; its log: {log_path}")
+
+
+def post_raw(base: str, path: str, body: bytes, api_key: str,
+             content_length: Optional[int] = None, timeout: float = 120.0) -> socket.socket:
+  """A POST over a plain socket (the body may be cut short or never sent, or the socket
+  closed mid-answer): the open socket."""
+  port = int(base.rsplit(":", 1)[1])
+  sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+  n = len(body) if content_length is None else content_length
+  sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {api_key}"
+                f"\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n").encode()
+               + body)
+  return sock
+
+
+def read_response(sock: socket.socket):
+  """(status, headers text, body bytes) of one Content-Length framed response."""
+  data = b""
+  while b"\r\n\r\n" not in data:
+    got = sock.recv(65536)
+    if not got:
+      raise ConnectionError(f"connection closed before the headers: {data[:200]!r}")
+    data += got
+  head, _, rest = data.partition(b"\r\n\r\n")
+  m = re.search(rb"content-length: (\d+)", head, re.I)
+  if m is None:
+    raise ValueError(f"no Content-Length: {head[:300]!r}")
+  while len(rest) < int(m.group(1)):
+    got = sock.recv(65536)
+    if not got:
+      break
+    rest += got
+  return int(head.split()[1]), head.decode(errors="replace"), rest

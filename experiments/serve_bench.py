@@ -21,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from typing import Dict, List
@@ -31,7 +29,8 @@ from typing import Dict, List
 import numpy as np
 from absl import app, flags
 
-from experiments.common import ROOT, write_json
+from experiments import common
+from experiments.common import write_json
 from experiments.goodput import arrival_times
 
 FLAGS = flags.FLAGS
@@ -56,8 +55,7 @@ QUESTIONS = ("Summarize this in one sentence: {}", "What is the main topic of th
 
 def make_prompts(n: int) -> List[List[Dict[str, str]]]:
   """n chat prompts from the project's own texts (experiments/data/texts.txt)."""
-  with open(os.path.join(ROOT, "experiments", "data", "texts.txt")) as f:
-    texts = [t.strip() for t in f.read().split("\n\n") if t.strip()]
+  texts = common.project_texts()
   return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)].format(
       texts[i % len(texts)][:200 + 40 * (i % 5)])}] for i in range(n)]
 
@@ -72,12 +70,6 @@ def parse_slo(spec: str) -> Dict[str, float]:
   return out
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def token_bucket(policy: str) -> int:
   """Unchunked policies run a whole prompt in one step: their largest token bucket must
   hold the longest prompt (the project's prompts are under 256 tokens)."""
@@ -86,25 +78,11 @@ def token_bucket(policy: str) -> int:
 
 
 def start_server(policy: str, port: int) -> subprocess.Popen:
-  args = [sys.executable, "-m", "jaxinfer", "serve", f"--model={FLAGS.model}",
-          f"--port={port}", f"--policy={policy}", f"--max_num_seqs={FLAGS.max_num_seqs}",
+  args = [f"--model={FLAGS.model}", f"--policy={policy}", f"--max_num_seqs={FLAGS.max_num_seqs}",
           f"--max_num_batched_tokens={token_bucket(policy)}", "--max_model_len=1024",
           f"--max_queue={max(FLAGS.num_prompts, 1)}"]
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  log_path = os.path.join(FLAGS.output_dir, f"server_{policy}.log")
-  log = open(log_path, "w")  # a file, not a pipe nobody reads (a full pipe blocks the server)
-  proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-  for _ in range(1200):  # bounded: load + compile every bucket
-    if proc.poll() is not None:
-      raise RuntimeError(f"server exited {proc.returncode}; its log: {log_path}")
-    try:
-      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-        if r.status == 200:
-          return proc
-    except OSError:
-      time.sleep(0.5)
-  proc.kill()
-  raise RuntimeError(f"server did not come up in 10 minutes; its log: {log_path}")
+  return common.start_server(args, port, os.path.join(FLAGS.output_dir,
+                                                      f"server_{policy}.log"))
 
 
 async def _one(client, msgs, t_sched, t0) -> Dict:
@@ -248,7 +226,7 @@ def main(argv):
                                                     "max_num_batched_tokens", "slo")},
              "slo": slo, "policies": {}}
   for policy in FLAGS.policies:
-    port = _free_port()
+    port = common.free_port()
     proc = start_server(policy, port)
     try:
       run = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, times))

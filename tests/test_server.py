@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from experiments.common import ROOT
+from experiments.common import ROOT, post_raw, read_response
 from jaxinfer.config import SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -320,29 +320,8 @@ def test_a_lora_adapter_is_served_by_its_name(client, offline):
   assert streamed == want.text
 
 
-def _post_raw(base, path, body: bytes, content_length=None, timeout=60.0):
-  """A POST over a plain socket (the body may be cut short or never sent): the open socket."""
-  port = int(base.rsplit(":", 1)[1])
-  sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-  head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-          f"Content-Type: application/json\r\n"
-          f"Content-Length: {len(body) if content_length is None else content_length}\r\n\r\n")
-  sock.sendall(head.encode() + body)
-  return sock
-
-
-def _response(sock) -> tuple:
-  """(status, headers text, body bytes) of one response on `sock` (read to its end)."""
-  data = b""
-  while b"\r\n\r\n" not in data:
-    got = sock.recv(65536)
-    assert got, data
-    data += got
-  head, _, rest = data.partition(b"\r\n\r\n")
-  length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-  while len(rest) < length:
-    rest += sock.recv(65536)
-  return int(head.split()[1]), head.decode(), rest[:length]
+def _post_raw(base, path, body: bytes, content_length=None):
+  return post_raw(base, path, body, KEY, content_length)
 
 
 def test_oversized_and_deeply_nested_bodies_get_json_errors_early(server, client):
@@ -352,7 +331,7 @@ def test_oversized_and_deeply_nested_bodies_get_json_errors_early(server, client
   import json
   base = server[0]
   with contextlib.closing(_post_raw(base, "/v1/completions", b"", 50_000_000)) as sock:
-    status, _, body = _response(sock)  # the 50 MB are never sent
+    status, _, body = read_response(sock)  # the 50 MB are never sent
   assert status == 413 and json.loads(body)["error"]["code"] == "payload_too_large"
   assert "--max_body_bytes" in json.loads(body)["error"]["message"]
   with pytest.raises(openai.BadRequestError) as e:
@@ -364,7 +343,7 @@ def test_oversized_and_deeply_nested_bodies_get_json_errors_early(server, client
   assert e.value.body["param"] == "messages" and "--max_prompt_chars" in e.value.body["message"]
   deep = b"[" * 100_000 + b"]" * 100_000
   with contextlib.closing(_post_raw(base, "/v1/chat/completions", deep)) as sock:
-    status, head, body = _response(sock)
+    status, head, body = read_response(sock)
   assert status == 400 and "application/json" in head
   assert "nested too deeply" in json.loads(body)["error"]["message"]
   assert '"ok"' in _get(base + "/health")

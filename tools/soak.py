@@ -29,19 +29,20 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from experiments.common import (free_port, post_raw, project_texts,  # noqa: E402
+                                read_response, start_server)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("minutes", 30.0, "how long the clients drive the server")
@@ -68,12 +69,6 @@ CHOICES = ["red", "green", "blue", "yellow"]
 REGEX = r"[0-9]{3}-[0-9]{4}"
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 10.0) -> str:
   with urllib.request.urlopen(url, timeout=timeout) as r:
     return r.read().decode()
@@ -98,37 +93,6 @@ def rss_bytes(pid: int) -> int:
       if line.startswith("VmRSS:"):
         return int(line.split()[1]) * 1024
   raise RuntimeError("no VmRSS")
-
-
-def _raw(base: str, path: str, body: bytes, content_length: Optional[int] = None,
-         timeout: float = 120.0) -> socket.socket:
-  port = int(base.rsplit(":", 1)[1])
-  sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-  n = len(body) if content_length is None else content_length
-  sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n").encode()
-               + body)
-  return sock
-
-
-def _read_response(sock: socket.socket):
-  """(status, body) of one non-streamed response (Content-Length framed)."""
-  data = b""
-  while b"\r\n\r\n" not in data:
-    got = sock.recv(65536)
-    if not got:
-      raise ConnectionError(f"connection closed before the headers: {data[:200]!r}")
-    data += got
-  head, _, rest = data.partition(b"\r\n\r\n")
-  m = re.search(rb"content-length: (\d+)", head, re.I)
-  if m is None:
-    raise ValueError(f"no Content-Length: {head[:300]!r}")
-  while len(rest) < int(m.group(1)):
-    got = sock.recv(65536)
-    if not got:
-      break
-    rest += got
-  return int(head.split()[1]), rest
 
 
 class Soak:
@@ -230,7 +194,7 @@ class Soak:
   def _disconnect(self, rng, stream: bool) -> dict:
     body = json.dumps({"model": "default", "prompt": self._prompt(rng), "max_tokens": 200,
                        "temperature": 0, "ignore_eos": True, "stream": stream}).encode()
-    sock = _raw(self.base, "/v1/completions", body)
+    sock = post_raw(self.base, "/v1/completions", body, KEY)
     with contextlib.closing(sock):
       if stream:  # read the headers and a first event or two, then go away
         got, events = b"", rng.randint(1, 3)
@@ -253,8 +217,8 @@ class Soak:
               (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404)]
     body, want = rng.choice(bodies)
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-    with contextlib.closing(_raw(self.base, path, body)) as sock:
-      status, raw = _read_response(sock)
+    with contextlib.closing(post_raw(self.base, path, body, KEY)) as sock:
+      status, _, raw = read_response(sock)
     err = json.loads(raw).get("error", {})
     good = status == want and isinstance(err.get("message"), str)
     return dict(outcome="refused" if good else "violation",
@@ -267,8 +231,9 @@ class Soak:
       want, declared = 400, None
     else:  # a body declared larger than --max_body_bytes, never sent: 413 at once
       body, want, declared = b"", 413, FLAGS.max_body_bytes * 50
-    with contextlib.closing(_raw(self.base, "/v1/completions", body, declared)) as sock:
-      status, raw = _read_response(sock)
+    with contextlib.closing(post_raw(self.base, "/v1/completions", body, KEY,
+                                     declared)) as sock:
+      status, _, raw = read_response(sock)
     good = status == want and isinstance(json.loads(raw).get("error", {}).get("message"), str)
     return dict(outcome="refused" if good else "violation",
                 detail=f"{status}" if good else f"{status} (want {want}): {raw[:200]!r}")
@@ -281,11 +246,6 @@ class Soak:
       rec["t"] = time.time()
       with self.lock:
         self.records.append(rec)
-
-
-def _texts() -> List[str]:
-  with open(os.path.join(ROOT, "experiments", "data", "texts.txt")) as f:
-    return [t.strip() for t in f.read().split("\n\n") if t.strip()]
 
 
 def _adapter(path: str) -> None:
@@ -304,25 +264,22 @@ def main(argv):
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   adapter = os.path.join(FLAGS.output_dir, "adapter")
   _adapter(adapter)
-  port = _free_port()
-  base = f"http://127.0.0.1:{port}"
-  log_path = os.path.join(FLAGS.output_dir, "server.log")
-  args = [sys.executable, "-m", "jaxinfer", "serve", f"--model={FLAGS.model}",
-          f"--port={port}", f"--api_key={KEY}", "--served_model_name=default",
+  port = free_port()
+  args = [f"--model={FLAGS.model}", f"--api_key={KEY}", "--served_model_name=default",
           f"--lora=soak={adapter}", "--structured_output", "--max_queue=64",
           f"--max_num_seqs={FLAGS.max_num_seqs}",
           f"--max_num_batched_tokens={FLAGS.max_num_batched_tokens}",
           f"--max_model_len={FLAGS.max_model_len}",
           f"--max_prompt_chars={FLAGS.max_prompt_chars}",
           f"--max_body_bytes={FLAGS.max_body_bytes}", "--drain_timeout_s=10"]
-  with open(log_path, "w") as log_file:
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-      report = _drive(proc, base)
-    finally:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+  t_start = time.time()  # load + warm-up of every shape: minutes on 2 cores
+  proc = start_server(args, port, os.path.join(FLAGS.output_dir, "server.log"))
+  try:
+    report = _drive(proc, f"http://127.0.0.1:{port}", time.time() - t_start)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
   out = os.path.join(FLAGS.output_dir, "soak.json")
   with open(out, "w") as f:
     json.dump(report, f, indent=1, allow_nan=False)
@@ -331,24 +288,13 @@ def main(argv):
   sys.exit(0 if all(c["ok"] for c in report["checks"].values()) else 1)
 
 
-def _drive(proc, base: str) -> dict:
-  t_start = time.time()
-  for _ in range(1200):  # bounded: load + warm-up of every shape (minutes on 2 cores)
-    if proc.poll() is not None:
-      raise SystemExit(f"the server exited with {proc.returncode}; see its log")
-    with contextlib.suppress(OSError):
-      if '"ok"' in _get(base + "/health", 2.0):
-        break
-    time.sleep(0.5)
-  else:
-    raise SystemExit("the server did not come up in 10 minutes")
-  ready_s = time.time() - t_start
+def _drive(proc, base: str, ready_s: float) -> dict:
   print(f"server ready in {ready_s:.0f} s; driving it for {FLAGS.minutes:g} min at "
         f"concurrency {FLAGS.concurrency}", file=sys.stderr)
   before = metrics(base)
   t0 = time.time()
   deadline = t0 + FLAGS.minutes * 60
-  soak = Soak(base, _texts(), deadline, FLAGS.seed)
+  soak = Soak(base, project_texts(), deadline, FLAGS.seed)
   threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True)
              for i in range(FLAGS.concurrency)]
   for t in threads:

@@ -14,7 +14,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
 from jaxinfer.model.params import cpu_layout
 from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
-from jaxinfer.lora.adapter import check_finite
+from jaxinfer.lora.adapter import LoraAdapter, check_finite
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.batcher import StepInput, empty_step_arrays
 from jaxinfer.structured import mask_words
@@ -136,11 +136,8 @@ class JaxExecutor:
   def unload_lora(self, name: str, slot: int) -> None:
     """Forget a registered adapter; its device slot (0: it held none) is zeroed."""
     self.lora_adapters.pop(name, None)
-    if slot:
-      zeros = {t: {"a": np.zeros((d["a"].shape[0], d["a"].shape[1], d["a"].shape[3]),
-                                 np.float32),
-                   "b": np.zeros((d["b"].shape[0],) + d["b"].shape[2:], np.float32)}
-               for t, d in self.lora_pool.items()}
+    if slot:  # an adapter of no targets: slot_data gives zeros for every one
+      zeros = lora_ops.slot_data(self.lora_pool, LoraAdapter(name, 0, {}))
       self.lora_pool = lora_ops.write_slot(self.lora_pool, np.int32(slot), zeros)
 
   def load_lora(self, loads: Sequence[Tuple[int, str]]) -> None:

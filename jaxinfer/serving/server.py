@@ -21,6 +21,10 @@ from jaxinfer.serving.prom import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+# uvicorn cancels what is still open this long after a drain's aborts: time for the aborted
+# responses to send their last event
+DRAIN_GRACE_S = 5.0
+
 
 def make_app(llm, *, model_name: str, api_key: Optional[str] = None, max_queue: int = 1024,
              default_max_tokens: int = 512, deadline_s: Optional[float] = None,
@@ -55,8 +59,6 @@ def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
   app, service = make_app(llm, model_name=model_name, api_key=api_key, max_queue=max_queue,
                           default_max_tokens=default_max_tokens, deadline_s=deadline_s,
                           max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars)
-  # uvicorn cancels what is still open DRAIN_GRACE_S after the drain's aborts: time for
-  # the aborted responses to send their last event
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                           timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S,
                           access_log=False)
@@ -69,9 +71,6 @@ def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
   print(f"[jaxinfer] serving {model_name} on http://{host}:{port}/v1", file=sys.stderr,
         flush=True)
   server.run()
-
-
-DRAIN_GRACE_S = 5.0
 
 
 class _DrainingServer(uvicorn.Server):

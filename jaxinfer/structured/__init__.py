@@ -10,5 +10,5 @@ from jaxinfer.structured.grammar import (KINDS, ConstraintError, GrammarCompiler
                                          GrammarMatcher, check_constraint, mask_words,
                                          unconstrained_rows)
 
-__all__ = ["KINDS", "ConstraintError", "GrammarCompiler", "GrammarMatcher", "check_constraint", "mask_words",
-           "unconstrained_rows"]
+__all__ = ["KINDS", "ConstraintError", "GrammarCompiler", "GrammarMatcher", "check_constraint",
+           "mask_words", "unconstrained_rows"]

@@ -22,13 +22,12 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-PROBE_TOKENS = 8
+PROBE_TOKENS = 8  # tokens a new grammar is walked at validation
 
 
 class ConstraintError(ValueError):
   """A constraint that cannot be served: it does not compile, admits no string, or trips
   the grammar library's limits. The message names the kind and the problem."""
-  # tokens a new grammar is walked at validation
 
 
 def _first_line(text: str) -> str:
