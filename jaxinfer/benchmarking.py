@@ -107,11 +107,11 @@ def weight_matmul_shapes(cfg: ModelConfig) -> Tuple[Tuple[int, int, int], ...]:
 
 
 def native_kernel(cfg: ModelConfig, dtype=jnp.float32):
-  """The native CPU matmul module (block_matmul.panels / .tiles) a single-device CPU
-  executor runs this model's `dtype` weights on (model.params.as_native), or None (XLA's
-  dot: no kernel for the dtype, a shape the layout cannot hold, or not a CPU)."""
-  from jaxinfer.model.params import native_kernel as layout_kernel
-  found = layout_kernel(dtype) if jax.default_backend() == "cpu" else None
+  """The native CPU matmul module (pallas_kernels.cpu.panels / .tiles) a single-device CPU
+  executor runs this model's `dtype` weights on (pallas_kernels.cpu.weights.prepare), or
+  None (XLA's dot: no kernel for the dtype, a shape the layout cannot hold, or not a CPU)."""
+  from pallas_kernels.cpu.weights import kernel_for
+  found = kernel_for(dtype) if jax.default_backend() == "cpu" else None
   if found is None:
     return None
   kernel = found[0]
@@ -124,8 +124,8 @@ class MatmulRateProbe:
   """FLOP/s of the weight matmuls of a step at its own shapes, at the moment it is called:
   `rows` token rows through each layer matmul, `lm_rows` (default rows) through the LM head;
   dtype: of both operands (bf16: float32 accumulation and result, as the model's
-  dense_matmul). native=True: the native CPU matmul a CPU executor runs such weights on
-  instead (model.params.as_native: bf16 tiles on AMX / AVX512-BF16, f32 AVX-512 panels; x
+  linear.Dense). native=True: the native CPU matmul a CPU executor runs such weights on
+  instead (pallas_kernels.cpu.weights: bf16 tiles on AMX / AVX512-BF16, f32 AVX-512 panels; x
   float32, the weight in its packed layout); None (the default): native wherever
   `native_kernel` says the executor runs one. The compute floor of a step is its FLOPs over
   the rate of what runs it. Built once (inputs, packed weights, compiles); each call times

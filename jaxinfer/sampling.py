@@ -10,22 +10,6 @@ import jax
 import jax.numpy as jnp
 
 
-def argmax(x):
-  """jnp.argmax over the last axis of [S, V] (the first index of each row's maximum), in
-  blocks of 128 columns: each block's max, the first block holding the row's max, then the
-  first index inside it. XLA:CPU runs argmax's variadic reduction about 10x slower than a
-  max: over [64, 49152] logits 7.9 ms against 0.67 ms this way. (A NaN row, which the
-  engine fails by its non-finite logprob, may get another index than jnp.argmax's.)"""
-  S, V = x.shape
-  B = next((b for b in (128, 64, 32, 16, 8) if V % b == 0 and V > b), None)
-  if B is None:
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
-  xb = x.reshape(S, V // B, B)
-  blk = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)
-  inner = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]
-  return (blk * B + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
-
-
 def _order_key(x):
   """float32 -> int32 of the same order (-inf lowest; NaN excluded)."""
   b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
@@ -228,18 +212,24 @@ def apply_penalties(logits, seen, repetition, logit_add):
   return logits + logit_add
 
 
-TOP_LOGPROBS = 20  # alternatives a step returns per row when any request asks (OpenAI's max)
+TOP_LOGPROBS = 20  # most likely tokens a step returns per row when any request asks (OpenAI's max)
+
+
+def greedy(x):
+  """Each row's most likely token (the first index of its maximum)."""
+  return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 def sample_rows(logits, temperature, top_k, top_p, seed, counter, draft_ids, token_mask=None,
-                min_p=None, raw_logits=None):
+                min_p=None, raw_logits=None, argmax=greedy):
   """Sample every logits row; rows with a draft token (draft_ids >= 0) also verify it.
 
   token_mask (structured output): tokens outside it are never sampled and a draft
   outside it is rejected like any mismatch; the returned logprob stays the model's own
   (unmasked) log-probability of the token, as vLLM's default reports it. min_p: per-row
   min-p filter. raw_logits: the model's logits when `logits` were processed (penalties,
-  logit_bias): logprobs are reported under them.
+  logit_bias): logprobs are reported under them. argmax: the greedy pick (a platform's
+  own form of it: jaxinfer.platforms).
 
   The drafters here draft deterministically (greedy draft model, context lookup), so q
   is a point mass on the draft token: `rejection_sample`'s rule then accepts it with

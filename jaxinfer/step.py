@@ -9,25 +9,25 @@ per step or per request is an array of a bucket shape, so a warm step never retr
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import attention, sampling
+from jaxinfer import attention, platforms, sampling
 from jaxinfer.model import transformer
 
 
-def sample_packed(logits, inputs):
+def sample_packed(logits, inputs, argmax=sampling.greedy):
   """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
   (token id, logprob, draft accepted), the step's one device -> host copy (what
   `StepResult.packed` holds); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]: then
   the 20 most likely token ids and their logprobs. Optional inputs are part of the traced
   structure, so a step without them compiles and runs without that work:
   `token_mask` (structured output, min_tokens); `min_p`, `repetition`, `seen` and
-  `logit_add` (penalties, logit_bias, min_p: one group)."""
+  `logit_add` (penalties, logit_bias, min_p: one group). argmax: the platform's greedy
+  pick (jaxinfer.platforms)."""
   raw = logits
   if "logit_add" in inputs:
     logits = sampling.apply_penalties(logits, inputs["seen"], inputs["repetition"],
@@ -35,7 +35,7 @@ def sample_packed(logits, inputs):
   ids, lp, accepted = sampling.sample_rows(logits, inputs["temperature"], inputs["top_k"],
                                            inputs["top_p"], inputs["seed"], inputs["counter"],
                                            inputs["draft_ids"], inputs.get("token_mask"),
-                                           inputs.get("min_p"), raw)
+                                           inputs.get("min_p"), raw, argmax)
   cols = [ids.astype(jnp.float32)[:, None], lp[:, None], accepted.astype(jnp.float32)[:, None]]
   if "top_logprobs" in inputs:
     top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(raw, axis=-1), sampling.TOP_LOGPROBS)
@@ -52,10 +52,11 @@ def _on_every_device(x, backend):
   return jax.lax.with_sharding_constraint(x, tp.replicated())
 
 
-def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits):
+def _step(params, pool, inputs, *, cfg, attn_shape, backend, return_logits,
+          argmax=sampling.greedy):
   logits, pool = transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape,
                                      backend=backend)
-  packed = _on_every_device(sample_packed(logits, inputs), backend)
+  packed = _on_every_device(sample_packed(logits, inputs, argmax), backend)
   if return_logits:
     return (packed, _on_every_device(logits, backend)), pool
   return packed, pool
@@ -77,8 +78,8 @@ def _forward(params, pool, inputs, *, cfg, attn_shape, backend):
   return transformer.forward(params, pool, inputs, cfg, attn_shape=attn_shape, backend=backend)
 
 
-def _sample(logits, inputs, *, backend=None):
-  return _on_every_device(sample_packed(logits, inputs), backend)
+def _sample(logits, inputs, *, backend=None, argmax=sampling.greedy):
+  return _on_every_device(sample_packed(logits, inputs, argmax), backend)
 
 
 def sample_inputs(arrays) -> dict:
@@ -140,16 +141,6 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
   return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
 
 
-# XLA:CPU's loop emitters instead of its MLIR fusion emitters for every step function on
-# CPU: steps compile faster and run as fast (docs/design.md, native CPU backend).
-# JAXINFER_FUSION_EMITTERS=1 keeps XLA's default.
-CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-# Unrolled layers (a list of per-layer weight dicts) are compiled with region-based copy
-# insertion too: without it XLA:CPU copies the whole donated pool twice a step to keep the
-# attention reads apart from the in-place K/V write.
-UNROLLED_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
-
-
 class Steps(NamedTuple):
   model: Any     # fused forward + sample, returning logits too
   forward: Any   # (params, pool, inputs) -> (logits, pool)
@@ -157,34 +148,22 @@ class Steps(NamedTuple):
   sample: Any    # (logits, inputs) -> packed results
 
 
-def _make_steps(options: dict | None) -> Steps:
-  kw = {} if options is None else {"compiler_options": options}
+def _make_steps(options: dict | None, argmax=sampling.greedy) -> Steps:
+  kw = {"compiler_options": options} if options else {}
   return Steps(
-      jax.jit(_step, static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
+      jax.jit(functools.partial(_step, argmax=argmax),
+              static_argnames=("cfg", "attn_shape", "backend", "return_logits"),
               donate_argnums=(1,), **kw),
       jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"), donate_argnums=(1,),
               **kw),
       jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
               donate_argnums=(1,), **kw),
-      jax.jit(_sample, static_argnames=("backend",), **kw))
+      jax.jit(functools.partial(_sample, argmax=argmax), static_argnames=("backend",), **kw))
 
 
 DEFAULT_STEPS = _make_steps(None)  # XLA's default options: every platform
 model_step, forward_step, draft_step, sample_step = DEFAULT_STEPS
-_variants: dict = {}  # "cpu" / "cpu_unrolled" -> Steps (jit compiles lazily, when first run)
-
-
-@functools.cache
-def loop_emitters_known() -> bool:
-  """Whether this jaxlib knows xla_cpu_use_fusion_emitters (an unknown compile option
-  fails every compile that names it): one trivial compile, once per process."""
-  try:
-    x = jax.device_put(jnp.zeros(2), jax.devices("cpu")[0])
-    jax.jit(lambda a: a + 1, compiler_options=CPU_OPTIONS).lower(x).compile()
-    return True
-  except Exception as e:  # noqa: BLE001 -- any refusal: XLA's default emitters
-    logging.getLogger(__name__).info("XLA:CPU default emitters (%s)", e)
-    return False
+_variants: dict = {}  # (platform, unrolled) -> Steps (jit compiles lazily, when first run)
 
 
 def _all_steps():
@@ -205,22 +184,14 @@ def num_compiled(kind: str) -> int:
 
 def steps_for(params, platform: str) -> Steps:
   """The step functions for a params layout on a platform (params may be None: an
-  executor used only for its pool)."""
+  executor used only for its pool): the platform's compile options and greedy pick
+  (jaxinfer.platforms), compiled lazily, once per (platform, layout)."""
   layers = params.get("layers") if isinstance(params, dict) else None
-  if platform != "cpu":
-    return DEFAULT_STEPS
   unrolled = isinstance(layers, (list, tuple))
-  if unrolled:  # the loop emitters made XLA copy the pool again (three copies a step):
-    # the fusion emitters, also where XLA_FLAGS asks for the loop emitters
-    options = dict(UNROLLED_CPU_OPTIONS, **({"xla_cpu_use_fusion_emitters": True}
-                                            if loop_emitters_known() else {}))
-  elif os.environ.get("JAXINFER_FUSION_EMITTERS") != "1" and loop_emitters_known():
-    options = dict(CPU_OPTIONS)
-  else:
-    options = {}
-  if not options:
-    return DEFAULT_STEPS
-  key = "cpu_unrolled" if unrolled else "cpu"
+  key = (platform, unrolled)
   if key not in _variants:
-    _variants[key] = _make_steps(options)
+    r = platforms.room(platform)
+    if r is platforms.GENERIC:
+      return DEFAULT_STEPS
+    _variants[key] = _make_steps(r.compiler_options(unrolled), r.argmax)
   return _variants[key]

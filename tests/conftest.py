@@ -21,7 +21,7 @@ if "JAXINFER_CACHE" not in os.environ:
 
 
 # Every executable the tests compile uses XLA:CPU's loop emitters, as the engine's CPU
-# steps do (jaxinfer.step.CPU_OPTIONS, where they are measured: 25-35% less compile time):
+# steps do (pallas_kernels.cpu.LOOP_EMITTERS, where they are measured: 25-35% less compile time):
 # the oracles, the attention and kernel units, the servers and binaries the tests start
 # (they inherit the variable). The library's own probe runs in a subprocess first (this
 # process's JAX must not start before XLA_FLAGS is set): XLA aborts a process whose
@@ -30,8 +30,8 @@ def _loop_emitters():
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_cpu_use_fusion_emitters" in flags or os.environ.get("JAXINFER_FUSION_EMITTERS") == "1":
     return
-  probe = ("import sys; from jaxinfer import step; "
-           "sys.exit(0 if step.loop_emitters_known() else 1)")
+  probe = ("import sys; from pallas_kernels import cpu; "
+           "sys.exit(0 if cpu.loop_emitters_known() else 1)")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   try:
     ok = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,

@@ -1,7 +1,7 @@
 """The XLA:CPU attention backend (pallas_kernels/paged_attention/xla.py) against the jnp
 reference, on NaN-poisoned pools: every KV format, GQA ratios, page sizes, decode-only and
 mixed steps, contexts spanning many page blocks, padding slots, Q precision. Decode slots
-run both ways each time: XLA ops, and the native CPU custom call (cpu_decode.cc)."""
+run both ways each time: XLA ops, and the native CPU custom call (decode.cc)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,7 +137,7 @@ def test_native_fp8_decode_of_every_code():
   V; a NaN code in the context poisons the output as the reference's does (K: every
   column, V: its own)."""
   from pallas_kernels import kv_codec
-  from pallas_kernels.paged_attention import cpu_native
+  from pallas_kernels.cpu import decode as cpu_native
   assert cpu_native.available()  # builds and registers the call (a compiler is required here)
   rng = np.random.default_rng(3)
   fmt, H, ps = kv_codec.get_format("fp8"), 64, 16
@@ -171,7 +171,7 @@ def test_native_fp8_decode_of_every_code():
 def test_native_build_failure_names_the_compiler_and_its_output(tmp_path, monkeypatch):
   """A compiler that fails is reported with its command and output; nothing half-written
   is left in the cache (the XLA-op path then runs: `available()` logs and returns False)."""
-  from pallas_kernels.paged_attention import cpu_native
+  from pallas_kernels.cpu import decode as cpu_native
   script = tmp_path / "cxx"
   script.write_text("#!/bin/sh\necho 'no such compiler here' >&2\nexit 3\n")
   script.chmod(0o755)

@@ -392,13 +392,13 @@ def test_plan_tp_on_pcie_and_nvlink():
 
 def test_attend_harness_builds_and_reads(tmp_path):
   """tools/attend_harness.cc compiles against the decode call's current source (it includes
-  cpu_decode.cc, so a changed Attend breaks it here, not in a later session), prints a read
+  decode.cc, so a changed Attend breaks it here, not in a later session), prints a read
   rate for each of its five passes, and refuses an empty batch naming its arguments."""
   import pathlib
   import re
   import shutil
   import jaxlib
-  from pallas_kernels import native
+  from pallas_kernels.cpu import native
   cxx = shutil.which("g++") or shutil.which("c++")
   if cxx is None:
     pytest.skip("no C++ compiler")
@@ -407,7 +407,7 @@ def test_attend_harness_builds_and_reads(tmp_path):
   # the library's flags for this CPU, at -O1: -O3 took 40 s here, and speed is not tested
   flags = [("-O1" if f == "-O3" else f) for f in native._flags() if f not in ("-shared", "-fPIC")]
   jax_inc = pathlib.Path(jaxlib.__file__).parent / "include"
-  subprocess.run([cxx, *flags, "-w", "-I", str(root / "pallas_kernels"), "-I", str(jax_inc),
+  subprocess.run([cxx, *flags, "-w", "-I", str(root / "pallas_kernels" / "cpu"), "-I", str(jax_inc),
                   str(root / "tools" / "attend_harness.cc"), "-o", str(exe)],
                  check=True, timeout=300)
   out = subprocess.run([str(exe), "2", "64"], capture_output=True, text=True, check=True,

@@ -1,4 +1,4 @@
-"""The GGUF block matmul (pallas_kernels/block_matmul) against its jnp oracle, the GGUF
+"""The GGUF block matmul (pallas_kernels/cpu/gguf.py) against its jnp oracle, the GGUF
 blocks against the dense loader's weights, and weight_format="gguf" end to end."""
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import block_matmul as bm
+from pallas_kernels import block_codec as bm
+from pallas_kernels.cpu import gguf
 
-pytestmark = pytest.mark.skipif(not bm.available() or jax.default_backend() != "cpu",
+pytestmark = pytest.mark.skipif(not gguf.available() or jax.default_backend() != "cpu",
                                 reason="the block matmul is a native XLA:CPU call")
 
 
@@ -30,7 +31,7 @@ def test_matmul_matches_reference(fmt, fused):
   for M in (1, 3, 8, 9, 17, 70):
     x = rng.standard_normal((M, 96)).astype(np.float32)
     for layer in (0, 2):
-      got = np.asarray(jax.jit(lambda x, c, s, i: bm.matmul(x, c, s, i, fused=fused))(
+      got = np.asarray(jax.jit(lambda x, c, s, i: gguf.matmul(x, c, s, i, fused=fused))(
           x, codes, scales, layer))
       want = np.asarray(bm.reference(x, codes, scales, layer))
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
@@ -42,8 +43,8 @@ def test_threads_agree_with_one_thread():
   rng = np.random.default_rng(1)
   codes, scales = _weights(rng, 1, 512, 576, "q4_1")
   x = rng.standard_normal((4, 576)).astype(np.float32)
-  one = bm.matmul(x, codes[0], scales[0], min_parallel_macs=1 << 62)
-  many = bm.matmul(x, codes[0], scales[0], min_parallel_macs=1)
+  one = gguf.matmul(x, codes[0], scales[0], min_parallel_macs=1 << 62)
+  many = gguf.matmul(x, codes[0], scales[0], min_parallel_macs=1)
   np.testing.assert_array_equal(np.asarray(one), np.asarray(many))
 
 

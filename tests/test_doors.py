@@ -19,7 +19,7 @@ def test_runtime_imports_no_jax():
 
 
 def test_pallas_kernels_import_only_jax_and_numpy():
-  # jax, numpy and the standard library (cpu_native builds its C++ with subprocess)
+  # jax, numpy and the standard library (cpu/native.py builds its C++ with subprocess)
   allowed = {"jax", "numpy", "pallas_kernels"} | set(sys.stdlib_module_names)
   for f in (ROOT / "pallas_kernels").rglob("*.py"):
     for node in ast.walk(ast.parse(f.read_text())):
@@ -104,3 +104,22 @@ def test_experiments_and_tools_use_public_names():
           assert not name.startswith("_"), f"{f.name} imports {mod}.{name}"
       attrs = re.findall(r"\b(?!self\b)\w+\.(_[a-z]\w*)", f.read_text())
       assert set(attrs) <= {"_cache_size"}, f"{f.name} uses private names {attrs}"
+
+
+def test_only_the_platform_table_names_the_cpu_backend():
+  """The model, sampler and LoRA ops see typed weights and one attention entry point: no
+  word of the CPU's layouts or native calls, no import of its room. In the library only
+  the platform table (and the loader's GGUF availability check, the benchmarks' floors)
+  names pallas_kernels.cpu."""
+  import re
+  word = re.compile(r"blocks|panels|tiles|native", re.IGNORECASE)
+  for f in [*(ROOT / "jaxinfer" / "model").rglob("*.py"), ROOT / "jaxinfer" / "sampling.py",
+            *(ROOT / "jaxinfer" / "lora").rglob("*.py")]:
+    hits = [ln for ln in f.read_text().splitlines() if word.search(ln)]
+    assert not hits, f"{f.relative_to(ROOT)} names the CPU backend: {hits}"
+  allowed = {"platforms.py", "benchmarking.py", "loading/registry.py"}
+  for f in (ROOT / "jaxinfer").rglob("*.py"):
+    rel = str(f.relative_to(ROOT / "jaxinfer"))
+    if rel not in allowed:
+      assert not any(m.startswith("pallas_kernels.cpu") for m, _ in _imports(f)), rel
+      assert "pallas_kernels.cpu" not in f.read_text(), rel

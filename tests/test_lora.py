@@ -125,8 +125,8 @@ def test_every_lora_mode_and_the_gguf_blocks_match_hf_peft(smollm2, adapters, pe
   and every decode step read them) against peft's greedy tokens."""
   from jaxinfer.lora import ops
   _check_modes_against_peft(smollm2, adapters, peft_ref, ops.MODES)
-  from pallas_kernels import block_matmul
-  if block_matmul.available():
+  from pallas_kernels.cpu import gguf
+  if gguf.available():
     ids, _, greedy = peft_ref
     llm = LLM(smollm2, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
               lora_adapters={"A": adapters["A"]}, weight_format="gguf")

@@ -59,8 +59,8 @@ def hf_greedy(smollm2, hf_smollm2):
 def test_smollm2_greedy_matches_hf(smollm2, hf_greedy, weight_format):
   """gguf: the decode steps multiply by the file's own Q4_1 / Q8_0 blocks (the prompt's
   step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy."""
-  from pallas_kernels import block_matmul
-  if weight_format == "gguf" and not block_matmul.available():
+  from pallas_kernels.cpu import gguf
+  if weight_format == "gguf" and not gguf.available():
     pytest.skip("the block matmul needs the native CPU library")
   from jaxinfer.llm import LLM
   ids, ref = hf_greedy
@@ -161,29 +161,30 @@ def bf16_smollm2(smollm2):
 
 def test_bf16_weights_on_cpu_match_hf(bf16_smollm2, hf_smollm2, monkeypatch):
   """dtype="bfloat16" on CPU: the executor holds the layer weights and the LM head in AMX's
-  tile layout read in place (params.as_native) where the CPU has AMX or AVX512-BF16, else
-  the stacked layer weights as uint16 bit patterns (params.as_bit_patterns, also with
+  tile layout read in place (pallas_kernels.cpu.weights.Tiles) where the CPU has AMX or
+  AVX512-BF16, else the stacked layer weights as uint16 bit patterns (.Half, also with
   JAXINFER_BF16_TILES=0); both
   run float32 activations with bf16 matmul inputs, and their logits stay within bf16
   rounding of HF's float32 ones and within summation order of each other."""
   import jax.numpy as jnp
   import torch
   from jaxinfer.executors.jax_executor import JaxExecutor
-  from pallas_kernels.block_matmul import tiles
+  from pallas_kernels.cpu import tiles
   m = bf16_smollm2
   ids = m.tokenizer.encode(PROMPT)
   with torch.no_grad():
     ref = hf_smollm2(torch.tensor([ids])).logits[0].float().numpy()
+  from pallas_kernels.cpu.weights import Half, Tiles
   layouts = {}
   for amx in ("1", "0"):
     monkeypatch.setenv("JAXINFER_BF16_TILES", amx)
     p = JaxExecutor(m.cfg, m.params, num_pages=4, page_size=16).params
-    if "blocks" in p:
+    if isinstance(p["lm_head"], Tiles):
       assert amx == "1" and tiles.available() and "wq" not in p["layers"]
-      assert p["blocks"]["layers"]["wq+wk+wv"]["tiles"].dtype == jnp.uint16
+      assert p["layers"]["wq+wk+wv"].tiles.dtype == jnp.uint16
       name = "tiles"
     else:
-      assert p["layers"]["wq"].dtype == jnp.uint16
+      assert isinstance(p["layers"]["wq"], Half) and p["layers"]["wq"].w.dtype == jnp.uint16
       name = "bits"
     layouts[name] = full_logits(m.cfg, m.params, ids)
     assert 1e-4 < _rel(layouts[name], ref) < 3e-2, (name, _rel(layouts[name], ref))

@@ -1,7 +1,7 @@
 """The native CPU matmuls over weights packed for them, each against its jnp oracle and its
 layout against the weights it packs: bf16 in AMX's tile layout on AMX or AVX512-BF16
-(pallas_kernels/block_matmul/tiles.py, cpu_tiles.cc) and f32 in AVX-512 column panels
-(panels.py, cpu_panels.cc)."""
+(pallas_kernels/cpu/tiles.py, tiles.cc) and f32 in AVX-512 column panels
+(panels.py, panels.cc), and the one conversion that packs a model's weights (weights.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_matmul import panels, tiles
+from pallas_kernels.cpu import panels, tiles
 
 needs_tiles = pytest.mark.skipif(not tiles.available() or jax.default_backend() != "cpu",
                                  reason="the tile matmul needs Intel AMX or AVX512-BF16")
@@ -153,25 +153,47 @@ def test_calls_from_two_threads_at_once_agree_with_one_at_a_time():
   assert not any(t.is_alive() for t in threads) and not bad
 
 
-@needs_avx512
-def test_cpu_layout_is_shared_only_for_the_same_weights_and_freed_with_them():
-  """Executors built on the same params share one packing; a tree that shares `wq` but not
-  its other weights gets its own (it once got the first tree's embedding); the kept layout
-  goes when the weights do."""
-  import gc
+def _tiny():
   from jaxinfer.config import SMOLLM2_135M
   from jaxinfer.model import params as mp
   cfg = SMOLLM2_135M.replace(num_layers=2, hidden_size=64, intermediate_size=128,
                              num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
-  p = mp.init_params(cfg, jax.random.PRNGKey(1))
-  a = mp.cpu_layout(p)
-  assert "panels" in a["blocks"]["lm_head"] and mp.cpu_layout(p) is a
-  q = dict(p, embed=p["embed"] * 2)
-  b = mp.cpu_layout(q)
-  assert b is not a and b["embed"] is q["embed"]
-  np.testing.assert_array_equal(np.asarray(panels.unpack(b["blocks"]["lm_head"]["panels"])),
-                                np.asarray(q["embed"]).T)
-  n = len(mp._LAYOUTS)
-  del p, q, a, b
-  gc.collect()
-  assert len(mp._LAYOUTS) == n - 1
+  return cfg, mp.init_params(cfg, jax.random.PRNGKey(1))
+
+
+@needs_avx512
+def test_prepare_packs_each_group_once_and_keeps_prepared_weights():
+  """f32 weights on AVX-512: q, k, v as one panel matrix split (64, 32, 32), gate and up as
+  one, the tied embedding packed as the LM head; preparing prepared weights returns them."""
+  from pallas_kernels.cpu import weights
+  cfg, p = _tiny()
+  a = weights.prepare(p)
+  assert weights.prepare(a) is a and "wq" not in a["layers"]
+  qkv = a["layers"]["wq+wk+wv"]
+  assert isinstance(qkv, weights.Panels) and qkv.splits == (64, 32, 32) and qkv.in_place
+  np.testing.assert_array_equal(np.asarray(panels.unpack(a["lm_head"].panels)),
+                                np.asarray(p["embed"]).T)
+  np.testing.assert_array_equal(np.asarray(panels.unpack(qkv.panels))[:, :, :64],
+                                np.asarray(p["layers"]["wq"]))
+
+
+def test_prepare_holds_bf16_weights_as_bit_patterns_without_the_tiles(monkeypatch):
+  """Without the tile matmul, bf16 matmul weights are `Half` (stacked ones as uint16), the
+  norms float32 (the model reads them so); the products equal XLA's bf16 dot with float32
+  accumulation, at one row too (padded to HALF_MIN_ROWS inside)."""
+  from jaxinfer.model import params as mp
+  from jaxinfer.model.linear import Dense, linear
+  from pallas_kernels.cpu import weights
+  monkeypatch.setenv("JAXINFER_BF16_TILES", "0")
+  cfg, p = _tiny()
+  p = mp.cast_params(p, jnp.bfloat16)
+  a = weights.prepare(p)
+  assert weights.prepare(a) is a
+  wq = a["layers"]["wq"]
+  assert isinstance(wq, weights.Half) and wq.w.dtype == jnp.uint16
+  assert a["layers"]["attn_norm"].dtype == jnp.float32
+  assert isinstance(a["lm_head"], weights.Half) and a["lm_head"].transposed
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64)), jnp.float32)
+  got = linear(x, weights.Half(wq.w[0]))
+  want = linear(x.astype(jnp.bfloat16), Dense(p["layers"]["wq"][0])).astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-3)

@@ -4,13 +4,13 @@
 //
 //   INC=$(python -c 'import jaxlib, os; print(os.path.dirname(jaxlib.__file__))')/include
 //   g++ -O3 -std=c++17 -march=x86-64-v4 -ffp-contract=fast -fno-math-errno \
-//     -I pallas_kernels -I "$INC" tools/attend_harness.cc -o /tmp/attend_harness
+//     -I pallas_kernels/cpu -I "$INC" tools/attend_harness.cc -o /tmp/attend_harness
 //   /tmp/attend_harness 16 4096
 //
 // Arguments: slots R, context C (tokens per slot); SHUF=1 in the environment scatters the
 // pages over the pool. Eight layers of K and V (2 * 8 * R * 3 * C * 256 bytes) are read per
 // pass, items in the order one thread would take them; prints GB/s of five passes.
-#include "paged_attention/cpu_decode.cc"
+#include "decode.cc"
 
 #include <chrono>
 #include <cstdio>
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   a.G = N / K;
   a.H = H;
   a.scale = 0.125f;
-  a.deep = FetchAhead() ? std::max<int64_t>(2, kDeepTokens / ps) : 0;
+  a.deep = IsAmd() ? std::max<int64_t>(2, kDeepTokens / ps) : 0;
   const double bytes = 2.0 * R * K * C * H * 4 * L;
   for (int rep = 0; rep < 5; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -58,7 +58,7 @@ flags.DEFINE_integer("engine_prompt", 128, "host time: prompt tokens")
 flags.DEFINE_integer("engine_new_tokens", 32, "host time: new tokens per prompt")
 flags.DEFINE_list("weight_formats", ["dense"], "dense (f32 weights) and/or gguf (the file's "
                   "own Q4_1/Q8_0 blocks read in place; CPU): gguf rows only at batches up to "
-                  "transformer.BLOCK_MATMUL_MAX_TOKENS (larger steps use the dense weights)")
+                  "pallas_kernels.cpu.weights.GGUF_MAX_ROWS (larger steps use the dense weights)")
 flags.DEFINE_list("dtypes", ["float32"], "weight dtypes of the dense rows: float32 and/or "
                   "bfloat16 (bf16 weights, float32 activations, bf16 x bf16 -> f32 matmuls; HF "
                   "beside them in bf16)")
@@ -85,7 +85,7 @@ def main(argv):
   from jaxinfer.executors.jax_executor import JaxExecutor
   from jaxinfer.kv import bytes_per_token
   from jaxinfer.loading import load_model
-  from jaxinfer.model import transformer
+  from pallas_kernels.cpu.weights import GGUF_MAX_ROWS
 
   for backend in FLAGS.attention:
     if backend not in ("xla", "reference", "pallas"):
@@ -123,7 +123,7 @@ def main(argv):
   block_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(m.params.get("blocks", {})))
   block_bytes += (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
   # dense rows: a CPU executor runs them on its native matmuls where it can
-  # (params.as_native): bf16 in AMX's tile layout (AMX or AVX512-BF16), f32 in AVX-512
+  # (pallas_kernels.cpu.weights): bf16 in AMX's tile layout (AMX or AVX512-BF16), f32 in AVX-512
   # panels
   tiles = bm.native_kernel(cfg, jax.numpy.bfloat16) if ("dense", "bfloat16") in variants \
       else None
@@ -184,7 +184,7 @@ def main(argv):
         if kv_format == "f32" and lc is not None and B == 1:
           tl = bm.llama_cpp_decode_step(lc, ctx, FLAGS.repeats)
         for (wf, dt), backend in itertools.product(variants, FLAGS.attention):
-          if wf == "gguf" and B > transformer.BLOCK_MATMUL_MAX_TOKENS:
+          if wf == "gguf" and B > GGUF_MAX_ROWS:
             continue  # such a step multiplies by the dense weights: the dense row
           r = {"attention": backend, "weights": wf, "dtype": dt, "kv_format": kv_format,
                "batch": B, "context": ctx,

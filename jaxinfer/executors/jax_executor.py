@@ -8,11 +8,10 @@ from typing import Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from jaxinfer import attention
+from jaxinfer import attention, platforms
 from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import allocate_pool
-from jaxinfer.model.params import cpu_layout
 from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
 from jaxinfer.lora.adapter import LoraAdapter, check_finite
 from jaxinfer.executors.base import StepResult
@@ -79,8 +78,8 @@ class JaxExecutor:
       if self.devices[0] != jax.devices()[0]:  # a data-parallel replica's own device
         self.params = jax.device_put(params, self.devices[0])
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
-      if self.devices[0].platform == "cpu":  # weights packed for the native matmuls
-        self.params = cpu_layout(self.params)
+      # the weights in the forms this platform runs fastest (CPU: packed layouts)
+      self.params = platforms.room(self.devices[0].platform).prepare(self.params)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self._steps = steps_for(params, self.devices[0].platform)
     self.streamer = None

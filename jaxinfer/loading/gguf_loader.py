@@ -148,15 +148,15 @@ _MATMUL_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 
 
 def _blocks_of(t):
-  """A Q4_0 / Q4_1 / Q8_0 tensor -> (codes, scales) of pallas_kernels.block_matmul."""
-  from pallas_kernels import block_matmul
+  """A Q4_0 / Q4_1 / Q8_0 tensor -> (codes, scales) of pallas_kernels.block_codec."""
+  from pallas_kernels import block_codec
   rows, cols = (int(x) for x in reversed(t.shape))  # (out, in)
   kind = t.tensor_type.name.lower()
-  if kind not in block_matmul.GGUF_FORMATS:
+  if kind not in block_codec.GGUF_FORMATS:
     raise ModelLoadError(
         f"weight_format='gguf' reads Q4_0, Q4_1 and Q8_0 tensors as they are; tensor "
         f"{t.name!r} is {t.tensor_type.name}: use weight_format='dense' for this file")
-  return block_matmul.from_gguf_blocks(np.asarray(t.data).view(np.uint8), kind, rows, cols)
+  return block_codec.from_gguf_blocks(np.asarray(t.data).view(np.uint8), kind, rows, cols)
 
 
 FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"))
@@ -188,7 +188,7 @@ def load_blocks(reader, cfg: ModelConfig):
     layers[name] = {"codes": np.stack([got[i][0] for i in range(cfg.num_layers)]),
                     "scales": np.stack([got[i][1] for i in range(cfg.num_layers)])}
   # Projections of the same input in one matrix (rows concatenated) where their formats
-  # agree: one native call each instead of three and two (lora.ops.project_group).
+  # agree: one native call each instead of three and two (jaxinfer.model.linear.linear_group).
   for group in FUSED_GROUPS:
     parts = [layers.get(n) for n in group]
     if all(w is not None for w in parts) and len({w["scales"].shape[2:] for w in parts}) == 1:

@@ -135,8 +135,8 @@ def check_weight_format(weight_format) -> None:
     if jax.default_backend() != "cpu":
       raise ValueError("weight_format='gguf' runs on the CPU backend only (the default "
                        f"backend is {jax.default_backend()!r}); use 'dense'")
-    from pallas_kernels import block_matmul
-    if not block_matmul.available():
+    from pallas_kernels.cpu import gguf
+    if not gguf.available():
       raise ValueError("weight_format='gguf' needs the native CPU library, which could not "
                        "be built or is disabled (JAXINFER_NATIVE=0); see the log")
 
@@ -148,7 +148,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
 
   weight_format="gguf" (a .gguf model on CPU): also keep the file's Q4_0 / Q4_1 / Q8_0
   matmul weights in their own blocks (params["blocks"]); steps of few tokens multiply by
-  them in place (pallas_kernels.block_matmul: the same weights bit for bit, 0.6-1.1 bytes
+  them in place (pallas_kernels.cpu.gguf: the same weights bit for bit, 0.6-1.1 bytes
   read per weight instead of 4), larger steps by the dense copies.
 
   scan_layers: stacked layer weights for `lax.scan` (fast compile) instead of a list of

@@ -1,6 +1,8 @@
-"""Building blocks: RMSNorm, RoPE, SwiGLU MLP, the attention block.
+"""The decoder's parts: RMSNorm, RoPE, SwiGLU MLP, the attention block.
 
 Letters: T tokens, N query heads, K KV heads, H head dim, D model dim, F ffn dim.
+Every projection goes through `linear` (jaxinfer/model/linear.py), whatever form its
+weight takes.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.lora.ops import project, project_group
+from jaxinfer.model.linear import linear, linear_group
 
 
 def rms_norm(x, w, eps):
@@ -34,20 +36,19 @@ def apply_rope(x, cos, sin):
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def mlp(x, p, lw=None, batch=None):
-  """lw: this layer's LoRA pool (a step carrying adapters), else None."""
+def mlp(x, p):
   with jax.named_scope("mlp"):
-    g, u = project_group(x, p, ("w_gate", "w_up"), None, lw, batch)  # [T, F] each
-    return project(jax.nn.silu(g) * u, p, "w_down", lw, batch)  # [T, D]
+    g, u = linear_group(x, p, ("w_gate", "w_up"))  # [T, F] each
+    return linear((jax.nn.silu(g) * u).astype(x.dtype), p["w_down"]).astype(x.dtype)
 
 
 def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_shape,
-                    backend, lw=None):
+                    backend):
   """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens."""
   T = x.shape[0]
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   with jax.named_scope("qkv"):
-    q, k, v = project_group(x, p, ("wq", "wk", "wv"), (N * H, K * H, K * H), lw, batch)
+    q, k, v = (y.astype(x.dtype) for y in linear_group(x, p, ("wq", "wk", "wv")))
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
@@ -58,5 +59,5 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_sh
   with jax.named_scope("attention"):
     o = attention.paged_attention(q, k, v, pool, layer, batch, attn_shape=attn_shape,
                                   backend=backend)  # [T, N, H] f32
-  out = project(o.astype(x.dtype).reshape(T, N * H), p, "wo", lw, batch)
+  out = linear(o.astype(x.dtype).reshape(T, N * H), p["wo"]).astype(x.dtype)
   return out, k, v

@@ -7,7 +7,6 @@ dicts (unrolled; measured: slicing stacked weights inside jit copies them).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Dict, Tuple
 
 import jax
@@ -82,111 +81,6 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
 
 def cast_params(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params)
-
-
-def as_bit_patterns(params):
-  """The stacked bf16 layer weights held as their uint16 bit patterns (other leaves as they
-  are). XLA:CPU copies each scanned layer's slice out of the stack, and copies bf16 element by
-  element through float32: 30 slices of a 576 x 1536 bf16 stack and their dots took 56 ms,
-  the same slices as uint16 bitcast back to bf16 inside the layer 8.9 ms (f32 weights: 16.9).
-  `transformer.hidden_states` reads such weights as bf16 and keeps its activations in
-  float32 (XLA:CPU also runs bf16 element-wise work through float32 conversions)."""
-  layers = params.get("layers") if isinstance(params, dict) else None  # None: no weights
-  if not isinstance(layers, dict) or not any(
-      a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(layers)):
-    return params
-  bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) \
-      if a.dtype == jnp.bfloat16 else a  # noqa: E731
-  return dict(params, layers=jax.tree_util.tree_map(bits, layers))
-
-
-# Weights packed together into one native matrix (one call per group), as the GGUF blocks
-# fuse them (loading/registry.py): the projections that read the same input.
-NATIVE_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
-
-
-def native_kernel(dtype):
-  """(module, layout key) of the native CPU matmul that runs `dtype` weights on this CPU
-  (bf16: pallas_kernels.block_matmul.tiles on AMX or AVX512-BF16, "tiles"; f32: .panels
-  on AVX-512, "panels"), or None: the one place that maps a dtype to its packed layout."""
-  from pallas_kernels.block_matmul import panels, tiles
-  kernel, key = {jnp.dtype(jnp.bfloat16): (tiles, "tiles"),
-                 jnp.dtype(jnp.float32): (panels, "panels")}.get(jnp.dtype(dtype), (None, None))
-  return (kernel, key) if kernel is not None and kernel.available() else None
-
-
-def as_native(params):
-  """Stacked layer weights and the LM head packed for the native CPU matmuls, read in
-  place by layer index (no layer's slice is copied out of the stack, as XLA:CPU does for
-  its own dot): bf16 weights into AMX's tile layout (pallas_kernels.block_matmul.tiles, run
-  on Intel AMX or AVX512-BF16),
-  float32 ones into AVX-512 column panels (block_matmul.panels). The packed groups go to
-  params["blocks"] (the place of the GGUF blocks; transformer.py reads either) and leave
-  params["layers"], which keeps the norms. None when the weights are neither, a shape does
-  not fit the layout, the model already carries blocks, or the CPU lacks the instructions
-  (the caller then keeps `as_bit_patterns` / the dense weights)."""
-  layers = params.get("layers") if isinstance(params, dict) else None
-  if not isinstance(layers, dict) or "blocks" in params or "wq" not in layers:
-    return None
-  names = [n for g in NATIVE_GROUPS for n in g]
-  dtype = layers["wq"].dtype
-  found = native_kernel(dtype)
-  if found is None or not all(n in layers and layers[n].dtype == dtype for n in names):
-    return None
-  kernel, key = found
-  head = params["lm_head"] if "lm_head" in params else params["embed"].T
-  fused = {"+".join(g): (jnp.concatenate([layers[n] for n in g], -1) if len(g) > 1
-                         else layers[g[0]]) for g in NATIVE_GROUPS}
-  if not (head.dtype == dtype and kernel.packable(head)
-          and all(kernel.packable(w) for w in fused.values())):
-    return None
-  blocks = {"layers": {k: {key: kernel.pack(w)} for k, w in fused.items()},
-            "lm_head": {key: kernel.pack(head)}}
-  rest = {k: v for k, v in layers.items() if k not in names}
-  out = {k: v for k, v in params.items() if k != "lm_head"}
-  return dict(out, layers=rest, blocks=blocks)
-
-
-# id(the source's wq) -> (weak references to the source's leaves, the kernels available,
-# the layout)
-_LAYOUTS: dict = {}
-
-
-def cpu_layout(params):
-  """The layout a single-device CPU executor holds: `as_native` where the CPU runs it, else
-  bf16 weights as bit patterns (`as_bit_patterns`) and f32 ones as they are. A layout is
-  kept while its source weights live (dropped with their `wq`, which the packed layout
-  does not hold) and reused only for the very same leaves, so every executor built on the
-  same weights shares one packing (a test's oracle builds one per forward) and nothing
-  outlives the model."""
-  layers = params.get("layers") if isinstance(params, dict) else None
-  if not isinstance(layers, dict) or "wq" not in layers:
-    return params
-  from pallas_kernels.block_matmul import panels, tiles
-  kernels = (tiles.available(), panels.available())
-  leaves = jax.tree_util.tree_leaves(params)
-  key = id(layers["wq"])
-  hit = _LAYOUTS.get(key)
-  if hit is not None and hit[1] == kernels and len(hit[0]) == len(leaves) and all(
-      ref() is a for ref, a in zip(hit[0], leaves)):
-    return hit[2]
-  out = as_native(params) or as_bit_patterns(params)
-  if out is params:  # nothing converted (and caching it would keep the source alive)
-    return out
-  try:
-    refs = [weakref.ref(a, (lambda _: _LAYOUTS.pop(key, None)) if a is layers["wq"] else None)
-            for a in leaves]
-  except TypeError:  # a leaf without weak references: not kept
-    return out
-  _LAYOUTS[key] = (refs, kernels, out)
-  return out
-
-
-def from_bit_patterns(p):
-  """A layer's weights with uint16 bit patterns (as_bit_patterns) read back as bf16."""
-  return jax.tree_util.tree_map(
-      lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a,
-      p)
 
 
 def unstack_layers(params):

@@ -12,24 +12,16 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
-from jaxinfer.lora.ops import dense_matmul, half_dot, stacked_matmul
-from jaxinfer.model import layers
-from jaxinfer.model.params import from_bit_patterns
-
-# weight_format="gguf" (params["blocks"], pallas_kernels.block_matmul): steps of at most this
-# many tokens read the matmul weights in the file's own blocks; larger steps use the float
-# weights (XLA's matmul is faster once the weights are reused across many rows; see the
-# README's Performance section for the crossover measured).
-BLOCK_MATMUL_MAX_TOKENS = 16
+from jaxinfer.model import layers, linear
 
 
-def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, lw=None):
-  """One decoder layer; lw: (the step's LoRA pool, this layer's index) or None."""
+def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
+  """One decoder layer."""
   h, k, v = layers.attention_block(
       layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
-      attn_shape=attn_shape, backend=backend, lw=lw)
+      attn_shape=attn_shape, backend=backend)
   x = x + h
-  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p, lw, batch)
+  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
   return x, k, v
 
 
@@ -40,53 +32,48 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   num_layers: run only the first layers (early-exit drafting); default all.
   attn_shape: (max query tokens per prefill slot, prefill slots), static (see attention.py).
   batch["lora"] (a step carrying adapters): the adapter pool, per target a [L, in, S, r]
-  and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops.
+  and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops; each
+  adapted weight is wrapped in linear.Adapted for its layer.
   """
-  dtype = params["embed"].dtype
-  lp = params["layers"]
-  bits = isinstance(lp, dict) and any(a.dtype == jnp.uint16
-                                      for a in jax.tree_util.tree_leaves(lp))
-  if bits or native_weights(params):  # bf16 weights as bit patterns or tiles (CPU):
-    dtype = jnp.float32  # float32 activations (bf16 matmul inputs); f32 panels: float32
-  x = params["embed"][batch["token_ids"]].astype(dtype)  # [T, D]
+  x = params["embed"][batch["token_ids"]].astype(linear.activation_dtype(params))  # [T, D]
   rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
   L = cfg.num_layers if num_layers is None else num_layers
   lora = batch.get("lora")
-  # The pool is indexed by layer inside the ops, never sliced per layer: a scanned slice
-  # of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
-  lora_i = lambda i: None if lora is None else (lora, i)  # noqa: E731
-  # The block weights stay stacked and are read in place by layer index (never sliced);
-  # the float copies of those weights are then left out of the scanned inputs.
-  bl = block_weights(params, x.shape[0], "layers")
-  with_blocks = lambda p, i: p if bl is None else dict(p, blocks=(bl, i))  # noqa: E731
-  if isinstance(lp, dict) and bl is not None:
-    covered = {n for key in bl for n in key.split("+")}  # "wq+wk+wv" covers wq, wk, wv
-    lp = {k: v for k, v in lp.items() if k not in covered}
-  if isinstance(lp, dict) and L == cfg.num_layers:  # stacked: layers under lax.scan
+  index = {k: a for k, a in batch.items() if k.startswith("lora_")}
 
-    def body(x, xs):
-      p, i = xs
-      p = from_bit_patterns(p) if bits else p
-      x, k, v = layer(x, with_blocks(p, i), i, cfg, rope, pool, batch, attn_shape, backend,
-                      lora_i(i))
-      return x, (k, v)
+  def run(x, p, i):
+    # The LoRA pool is indexed by layer inside its ops, never sliced per layer: a scanned
+    # slice of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
+    if lora is not None:
+      p = linear.with_adapters(p, lora, i, index)
+    return layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (lp, jnp.arange(L, dtype=jnp.int32)))
-  elif isinstance(lp, dict):  # the first L layers: index the stacked weights in the loop
-    # (a static slice lp[:L] would copy L layers' weights on every call)
+  # each weight in the form that serves this step's rows (static), before the scan: the
+  # forms it does not use are then no scanned input
+  lp = linear.for_rows(params["layers"], x.shape[0])
+  if isinstance(lp, dict):  # stacked: layers under lax.scan; weights read in place by
+    # layer index stay out of the scanned inputs (never sliced)
+    scanned, in_place = linear.split_in_place(lp)
+    if L == cfg.num_layers:
 
-    def body_i(x, i):
-      p = jax.tree_util.tree_map(lambda a: a[i], lp)
-      p = with_blocks(from_bit_patterns(p) if bits else p, i)
-      x, k, v = layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend, lora_i(i))
-      return x, (k, v)
+      def body(x, xs):
+        p, i = xs
+        x, k, v = run(x, dict(p, **{n: w.at(i) for n, w in in_place.items()}), i)
+        return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body_i, x, jnp.arange(L, dtype=jnp.int32))
+      x, (ks, vs) = jax.lax.scan(body, x, (scanned, jnp.arange(L, dtype=jnp.int32)))
+    else:  # the first L layers: index the stacked weights in the loop (a static slice
+      # lp[:L] would copy L layers' weights on every call)
+
+      def body_i(x, i):
+        x, k, v = run(x, linear.layer_at(scanned, in_place, i), i)
+        return x, (k, v)
+
+      x, (ks, vs) = jax.lax.scan(body_i, x, jnp.arange(L, dtype=jnp.int32))
   else:  # unrolled over a list of per-layer dicts
     ks, vs = [], []
     for i in range(L):
-      x, k, v = layer(x, with_blocks(lp[i], i), i, cfg, rope, pool, batch, attn_shape,
-                      backend, lora_i(i))
+      x, k, v = run(x, lp[i], i)
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)
@@ -94,36 +81,11 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   return x, ks, vs
 
 
-def native_weights(params) -> bool:
-  """Whether params["blocks"] holds the native CPU layouts of params.as_native (bf16 tiles,
-  f32 panels) rather than GGUF blocks."""
-  head = params.get("blocks", {}).get("lm_head") if isinstance(params, dict) else None
-  return isinstance(head, dict) and ("tiles" in head or "panels" in head)
-
-
-def block_weights(params, rows: int, part: str):
-  """params["blocks"][part] when this step (`rows` rows, static) reads the block weights:
-  GGUF blocks up to BLOCK_MATMUL_MAX_TOKENS rows; the native layouts at every size (they
-  replace the dense weights, and beat XLA's dot and its slice copies at 1-256 rows: see
-  block_matmul/tiles.py and panels.py)."""
-  blocks = params.get("blocks")
-  if blocks is None or (rows > BLOCK_MATMUL_MAX_TOKENS and not native_weights(params)):
-    return None
-  return blocks.get(part)
-
-
 def lm_head(params, x):
-  """x [S, D] -> logits [S, V] float32."""
-  head = block_weights(params, x.shape[0], "lm_head")
-  if head is not None:
-    logits = stacked_matmul(x, head)
-  elif "lm_head" in params:
-    logits = dense_matmul(x, params["lm_head"])
-  elif params["embed"].dtype == jnp.float32:  # tied: the embedding's rows
-    logits = jnp.einsum("sd,vd->sv", x, params["embed"])
-  else:  # tied half-precision embedding: f32 accumulation, as in dense_matmul
-    logits = half_dot(x, params["embed"], "sd,vd->sv")
-  return logits.astype(jnp.float32)
+  """x [S, D] -> logits [S, V] float32 (the tied embedding where the model has no head)."""
+  head = params.get("lm_head")
+  head = linear.Dense(params["embed"], transposed=True) if head is None else head
+  return linear.linear(x, linear.for_rows(head, x.shape[0])).astype(jnp.float32)
 
 
 def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,

@@ -11,7 +11,7 @@ x86 machine (per-op profile in the README's performance section):
   a bucket table needs one tier of pages per request, not a ladder (8.2.4: fewer
   compiled shapes). Each gathered block stays in cache between the gather and the dots.
 - On CPU, decode slots (one new token each) run the native custom call of
-  `cpu_native.py` / `cpu_decode.cc`, which reads each slot's pages where they lie, once,
+  `pallas_kernels/cpu/decode.py` / `decode.cc`, which reads each slot's pages where they lie, once,
   on XLA's thread pool: no XLA-op form avoids gathering, masking and reducing each block
   in separate passes over memory (measured 2.3x faster at batch 16, context 4096). The
   XLA-op decode path below runs on other platforms, when the library cannot be built,
@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_codec
-from pallas_kernels.paged_attention import common, cpu_native, reference
+from pallas_kernels.cpu import decode as cpu_native
+from pallas_kernels.paged_attention import common, reference
 
 _NEG = -1e30
 # Tokens gathered per block over all decode slots: R=64 -> 8 pages of 16 tokens per slot,
@@ -100,7 +101,7 @@ def _gather_block(pool, fmt, layer, page_ids, dtype):
 
 
 def native_decode_supported(q_shape, num_kv_heads, page_size) -> bool:
-  """Shapes the CPU custom call handles (cpu_decode.cc): head_dim a multiple of 8 up to
+  """Shapes the CPU custom call handles (pallas_kernels/cpu/decode.cc): head_dim a multiple of 8 up to
   256, at most 16 query heads per KV head, pages of at most 64 tokens."""
   _, N, H = q_shape
   return H % 8 == 0 and H <= 256 and N // num_kv_heads <= 16 and page_size <= 64

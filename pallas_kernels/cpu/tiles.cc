@@ -1,6 +1,6 @@
-// bfloat16 weight matmul for XLA:CPU, as an XLA FFI custom call (see block_matmul/tiles.py):
+// bfloat16 weight matmul for XLA:CPU, as an XLA FFI custom call (see tiles.py):
 // y[M, N] = bf16(x)[M, K] . W[K, N], float32 accumulation, with W held in AMX's tile layout
-// and read where it lies (a leading layer axis and a layer operand, as cpu_matmul.cc: a
+// and read where it lies (a leading layer axis and a layer operand, as gguf.cc: a
 // scanned model never copies a layer's slice out). Two engines run the same layout: Intel
 // AMX tiles, and AVX512-BF16 dot products (VDPBF16PS) where a CPU has those but no AMX
 // (AMD Zen 4, Intel Cooper Lake) and for calls of 1-4 rows on AMX machines.
@@ -20,7 +20,7 @@
 // tile configuration once per call and releases it at the end. Dot products: per item, x
 // rows in passes of up to six, each pair of K loading the group's four W rows once for six
 // broadcast pairs of x (24 accumulators + 4 + 1 of the 32 zmm registers), as the f32 panel
-// matmul (cpu_panels.cc) does with FMAs. Both engines flush bf16 subnormals to zero (the
+// matmul (panels.cc) does with FMAs. Both engines flush bf16 subnormals to zero (the
 // instructions' own rule).
 //
 // AMX needs the CPU's AMX-TILE and AMX-BF16 (cpuid) and Linux's permission for the tile

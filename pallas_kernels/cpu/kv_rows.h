@@ -1,4 +1,4 @@
-// KV pool rows for the paged decode call (cpu_decode.cc): every format of kv_codec.py read
+// KV pool rows for the paged decode call (decode.cc): every format of kv_codec.py read
 // as float32, a row at a time, and prefetched ahead of use.
 #ifndef JAXINFER_KV_ROWS_H_
 #define JAXINFER_KV_ROWS_H_
@@ -45,7 +45,7 @@ typedef int32_t V8i __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2)));
 typedef uint8_t U8x8 __attribute__((vector_size(8), aligned(1)));
 
-// Unaligned loads and stores of W-float vectors (cpu_decode.cc's V pass, two widths).
+// Unaligned loads and stores of W-float vectors (decode.cc's V pass, two widths).
 template <int W>
 struct Vecs;
 template <>
@@ -78,7 +78,7 @@ struct Pool {
   // (Measured again with the column-block V pass, batch 16 / context 4096: without any
   // prefetch within 3-4%, pages in order or shuffled; kept for the batch-64 cells. With
   // 1024-token chunks on the AMD EPYC VM: K a page ahead in the K pass and V a page ahead
-  // in the V pass, 3-7% faster than both in the K pass; see cpu_decode.cc.)
+  // in the V pass, 3-7% faster than both in the K pass; see decode.cc.)
   // kLocality: __builtin_prefetch's (3: into L1, 2: into L2).
   template <int kLocality = 3>
   void PrefetchRows(int64_t lk, int64_t page, int64_t o0, int64_t o1) const {

@@ -1,4 +1,4 @@
-"""Weight matmuls over GGUF block-quantized weights (chapter 8.4.1), read in their own format.
+"""GGUF block-quantized weights (chapter 8.4.1) in their own format: codec and jnp oracle.
 
 A weight W [N out, K in] is held as the file stores it, in blocks of 32 values along K:
   q4_1: codes uint8 [(L,) N, K/2] (byte j of a block: value j low nibble, j+16 high) and
@@ -6,9 +6,9 @@ A weight W [N out, K in] is held as the file stores it, in blocks of 32 values a
   q8_0: codes int8 [(L,) N, K] and scales float32 [(L,) N, K/32, 1] = d; w = d * q
 The scales are the file's fp16 values converted exactly, so `dequantize` gives the very
 float32 weights a dequantizing loader would, and `matmul` multiplies by those weights
-(reading 0.625 / 1.125 bytes per weight instead of 4). `matmul` is a native XLA:CPU custom
-call (cpu_matmul.cc); `reference` is its jnp oracle. A leading layer axis L with a
-`layer` index lets a scanned model read layer i in place.
+(reading 0.625 / 1.125 bytes per weight instead of 4). `reference` is the jnp oracle of
+the native CPU call that multiplies by them in place (pallas_kernels.cpu.gguf). A leading
+layer axis L with a `layer` index lets a scanned model read layer i in place.
 """
 from __future__ import annotations
 
@@ -16,21 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
-
-TARGET = "jaxinfer_block_matmul"
 FORMATS = {"q4_1": 0, "q8_0": 1}
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")  # read by from_gguf_blocks
 BLOCK = 32
-# Below this many multiply-adds a call runs on the calling thread alone (see the README's
-# Performance section for the measurement).
-MIN_PARALLEL_MACS = 1 << 18
-
-
-def available() -> bool:
-  return native.available()
-
-
 def format_of(codes, scales) -> str:
   return "q4_1" if scales.shape[-1] == 2 else "q8_0"
 
@@ -98,20 +86,3 @@ def reference(x, codes, scales, layer=None):
     codes, scales = codes[layer], scales[layer]
   w = dequantize(codes, scales)
   return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-
-
-def matmul(x, codes, scales, layer=None, *, min_parallel_macs: int = MIN_PARALLEL_MACS,
-           fused: bool = True):
-  """x [M, K] -> x @ W^T [M, N] float32 by the native call (CPU only; `available()`).
-  fused=False: always the portable panel path (decoded rows stored, then a 2 x 4 tile),
-  which otherwise runs only past 64 rows or without AVX-512 / AVX2."""
-  if not available():  # also registers the call on first use
-    raise RuntimeError("the block matmul needs the native CPU library, which could not be "
-                       "built or is disabled (JAXINFER_NATIVE=0); see the log")
-  fmt = format_of(codes, scales)
-  N = codes.shape[-2]
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))
-  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-  return call(x.astype(jnp.float32), codes, scales.astype(jnp.float32), layer,
-              fmt=np.int32(FORMATS[fmt]), min_parallel_macs=np.int64(min_parallel_macs),
-              fused=bool(fused))

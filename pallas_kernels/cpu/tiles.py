@@ -1,13 +1,13 @@
 """bfloat16 weight matmuls on Intel AMX or AVX512-BF16, the weights held in AMX's tile
-layout (cpu_tiles.cc).
+layout (tiles.cc).
 
-XLA:CPU runs a bf16 x bf16 -> f32 dot on AMX too (lora.ops.dense_matmul), but a scanned
+XLA:CPU runs a bf16 x bf16 -> f32 dot on AMX too (jaxinfer.model.linear.Dense), but a scanned
 model's layer weights reach it only as a slice copied out of the stacked array, every
 layer of every step (SmolLM2, bf16, batch 16: 18 ms of 58 per step), and fewer than 16
 rows take a slower path; on a CPU without AMX it converts bf16 to float32 element by element
 (SmolLM2, bf16, batch 1, AMD EPYC: 32 ms a step against 25 for f32 weights). Here the
 stacked weights are packed once into AMX's B-tile layout and read in place by layer
-index, like the GGUF blocks of `block_matmul`:
+index, like the GGUF blocks of `gguf`:
 
   pack(w [(L,) K, N] bf16)  -> tiles uint16 [(L,) N/16, K/2, 16, 2] (pairs of K per column)
   matmul(x [M, K], tiles, layer) = bf16(x) @ w, float32 accumulation and result
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
+from pallas_kernels.cpu import native
 
 TARGET = "jaxinfer_bf16_tile_matmul"
 

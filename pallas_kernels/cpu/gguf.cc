@@ -1,5 +1,5 @@
 // Weight matmul over GGUF block-quantized weights for XLA:CPU, as an XLA FFI custom call
-// (see block_matmul/__init__.py): y[M, N] = x[M, K] . W[N, K]^T with W kept in the file's
+// (see block_codec.py / gguf.py): y[M, N] = x[M, K] . W[N, K]^T with W kept in the file's
 // own blocks of 32 values along K (chapter 8.4.1), never as a float32 copy.
 //
 //   q4_1: 16 code bytes per block (byte j holds value j in its low nibble and value j+16
@@ -376,7 +376,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   sh->items = a.x_blocks * a.row_items;
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
   // Few items (K and V projections: 192 rows = 6 items) split unevenly between threads;
-  // measured slower with helpers at batch 4 (see block_matmul/__init__.py).
+  // measured slower with helpers at batch 4 (see block_codec.py / gguf.py).
   const bool parallel = a.M * a.N * a.K >= min_parallel_macs && sh->items >= kMinParallelItems;
   jaxinfer::RunItems(pool, sh, sh->items, parallel, a.M, Drain);
   return ffi::Error::Success();

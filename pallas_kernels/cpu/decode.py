@@ -1,9 +1,9 @@
-"""The CPU decode attention custom call (`cpu_decode.cc`, built by pallas_kernels.native).
+"""The CPU decode attention custom call (`decode.cc`, built by pallas_kernels.cpu.native).
 
 XLA:CPU has no way to read a page table inside a fused loop: every form of paged decode
 attention written in XLA ops gathers each block of pages into a fresh buffer, masks it
 and reduces it with separate fusions, so each KV byte crosses memory 3-4 times
-(measured: 5x the KV bandwidth floor at batch 16, context 4096). `cpu_decode.cc` reads
+(measured: 5x the KV bandwidth floor at batch 16, context 4096). `decode.cc` reads
 the pages where they lie, once, in an XLA FFI handler that runs on XLA's own intra-op
 thread pool.
 
@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kv_codec, native
+from pallas_kernels import kv_codec
+from pallas_kernels.cpu import native
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 // Work items shared by the calling thread and helpers (the library's own spinning threads
 // or tasks on XLA's intra-op thread pool), for the native CPU calls built by
-// pallas_kernels/native.py (cpu_matmul.cc, cpu_tiles.cc, cpu_panels.cc, cpu_decode.cc).
+// pallas_kernels/cpu/native.py (gguf.cc, tiles.cc, panels.cc, decode.cc).
 #ifndef JAXINFER_NATIVE_ITEMS_H_
 #define JAXINFER_NATIVE_ITEMS_H_
 
@@ -166,7 +166,7 @@ void RunItems(xla::ffi::ThreadPool& pool, const std::shared_ptr<Shared>& sh, int
 
 // Calls pass(std::integral_constant<int, MR>{}, m0) over rows [0, M) in passes of six rows,
 // then one pass of the 1-5 left: a register-blocked kernel's row loop with MR known at
-// compile time (cpu_panels.cc, cpu_tiles.cc: six rows x four column blocks of
+// compile time (panels.cc, tiles.cc: six rows x four column blocks of
 // accumulators).
 template <typename Pass>
 inline void SixRowPasses(int64_t M, Pass pass) {
@@ -182,11 +182,12 @@ inline void SixRowPasses(int64_t M, Pass pass) {
   }
 }
 
-// Whether the native calls ask for data further ahead than the hardware's own prefetchers
-// (SixRowPassesAhead's next item's weights, cpu_decode.cc's pages kDeepTokens ahead): on
-// AMD CPUs only. It made steps faster on AMD Zen 4 and slower on Intel Sapphire Rapids,
-// whose cores stalled with every line-fill buffer waiting (docs/design.md).
-inline bool FetchAhead() {
+// Whether this CPU is AMD's. The native calls ask for data further ahead than the
+// hardware's own prefetchers (SixRowPassesAhead's next item's weights, decode.cc's pages
+// kDeepTokens ahead) on AMD CPUs only: it made steps faster on AMD Zen 4 and slower on
+// Intel Sapphire Rapids, whose cores stalled with every line-fill buffer waiting
+// (docs/design.md).
+inline bool IsAmd() {
 #if defined(__x86_64__)
   static const bool amd = [] {
     unsigned a, b, c, d;
@@ -228,7 +229,7 @@ inline void SixRowPassesAhead(int64_t m0, int64_t M, int64_t K, const void* next
                               int64_t lines, Pass pass) {
   WeightsAhead pf, none;
   const int64_t passes = (M + 5) / 6;
-  if (next != nullptr && passes > 2 && FetchAhead()) {
+  if (next != nullptr && passes > 2 && IsAmd()) {
     const int64_t spread = (passes - 1) * K;
     pf.p = static_cast<const char*>(next);
     pf.left = lines;
@@ -248,7 +249,7 @@ inline int64_t RowsPerItem(int64_t M, int64_t groups) {
 }
 
 // The work items of a matmul over column groups of up to `group` blocks of 16 columns
-// (cpu_panels.cc, cpu_tiles.cc's dot products): item i is column group i / parts and rows
+// (panels.cc, tiles.cc's dot products): item i is column group i / parts and rows
 // [Row0(i), Row0(i) + Rows(i)) of M, each group's rows in `parts` parts of `rows` rows
 // (RowsPerItem where `split`, else all M in one).
 struct GroupItems {

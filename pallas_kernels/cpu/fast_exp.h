@@ -1,4 +1,4 @@
-// exp for the paged decode call's online softmax (cpu_decode.cc): a branch-free polynomial
+// exp for the paged decode call's online softmax (decode.cc): a branch-free polynomial
 // for arguments <= 0, one at a time and eight at a time.
 #ifndef JAXINFER_FAST_EXP_H_
 #define JAXINFER_FAST_EXP_H_

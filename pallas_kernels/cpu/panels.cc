@@ -1,6 +1,6 @@
 // float32 weight matmul on AVX-512 for XLA:CPU, as an XLA FFI custom call (see
-// block_matmul/panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
-// read where it lies (a leading layer axis and a layer operand, as cpu_matmul.cc): a
+// panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
+// read where it lies (a leading layer axis and a layer operand, as gguf.cc): a
 // scanned model never copies a layer's slice out of the stack, as XLA:CPU does for its
 // own dot.
 //

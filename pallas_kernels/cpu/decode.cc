@@ -1,4 +1,4 @@
-// Paged decode attention for XLA:CPU, as an XLA FFI custom call (see cpu_native.py; the
+// Paged decode attention for XLA:CPU, as an XLA FFI custom call (see decode.py; the
 // pool's rows are read by kv_rows.h, the softmax's exp is fast_exp.h's).
 //
 // One new token per request slot: for each (slot r, KV head k) the G = N / K query rows
@@ -23,8 +23,8 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "native_items.h"
-#include "paged_attention/fast_exp.h"
-#include "paged_attention/kv_rows.h"
+#include "fast_exp.h"
+#include "kv_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -47,7 +47,7 @@ constexpr int64_t kChunkTokens = 1024;
 // How far ahead, in tokens, a K or V page's rows are asked into L2 besides the next page's
 // into L1 (Pool::PrefetchRows): the next page alone left a thread reading pages well below
 // the machine's rate, above all in a shuffled order. On AMD CPUs only (native_items.h's
-// FetchAhead); the distance was chosen by step times (docs/design.md).
+// IsAmd); the distance was chosen by step times (docs/design.md).
 constexpr int64_t kDeepTokens = 64;
 // Vector registers the compiler may use (AVX-512VL gives 8-float vectors 32 of them).
 #ifdef __AVX512VL__
@@ -79,7 +79,7 @@ struct Args {
   int64_t splits = 1;
   float* part = nullptr;
   int64_t deep = 0;  // pages ahead of the one read whose rows go to L2 (kDeepTokens;
-  // 0: none, FetchAhead)
+  // 0: none, not IsAmd)
 };
 
 // An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
@@ -144,7 +144,7 @@ inline DeepPage Deep(const Args& a, int64_t r, int64_t lk, int64_t c0, int64_t n
   auto pages = [&](int64_t c, int64_t e) {
     return ((e - c < chunk ? e - c : chunk) + ps - 1) / ps;
   };
-  if (a.deep == 0) return {};  // FetchAhead: not on this CPU
+  if (a.deep == 0) return {};  // not IsAmd: no look-ahead here
   int64_t t = j + a.deep;
   const int64_t np = pages(c0, n);
   if (!v) {
@@ -517,7 +517,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.kp.scales = k_scales.untyped_data();
   a.vp.scales = v_scales.untyped_data();
   sh->fn = Select(a.H, a.G);
-  a.deep = FetchAhead() ? std::max<int64_t>(2, kDeepTokens / a.kp.ps) : 0;
+  a.deep = IsAmd() ? std::max<int64_t>(2, kDeepTokens / a.kp.ps) : 0;
 
   int64_t tokens = 0, longest = 0;
   for (int64_t r = 0; r < a.R; ++r) {

@@ -1,9 +1,9 @@
-"""float32 weight matmuls on AVX-512, the weights held in column panels (cpu_panels.cc).
+"""float32 weight matmuls on AVX-512, the weights held in column panels (panels.cc).
 
 XLA:CPU copies a scanned layer's weights out of the stacked array before its dot, every
 layer of every step (SmolLM2 f32 at batch 1: 35 ms of a 63 ms step, 540 MB written and
 read again). Here the stacked weights are packed once into panels of 16 columns and read
-in place by layer index, like the GGUF blocks of `block_matmul` and the bf16 `tiles`:
+in place by layer index, like the GGUF blocks of `gguf` and the bf16 `tiles`:
 
   pack(w [(L,) K, N] f32)  -> panels float32 [(L,) N/16, K, 16]
   matmul(x [M, K], panels, layer) = x @ w, float32 (FMA order: k ascending per column)
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import native
+from pallas_kernels.cpu import native
 
 TARGET = "jaxinfer_f32_panel_matmul"
 

@@ -1,9 +1,9 @@
 """The project's native CPU library: every `*.cc` XLA FFI handler, built and registered once.
 
-Four custom calls live in it: `jaxinfer_paged_decode` (paged_attention/cpu_decode.cc),
-`jaxinfer_block_matmul` (block_matmul/cpu_matmul.cc), `jaxinfer_bf16_tile_matmul`
-(block_matmul/cpu_tiles.cc, Intel AMX or AVX512-BF16; `tiles_engines()` says which this CPU
-and OS run) and `jaxinfer_f32_panel_matmul` (block_matmul/cpu_panels.cc, AVX-512;
+Four custom calls live in it: `jaxinfer_paged_decode` (decode.cc),
+`jaxinfer_block_matmul` (gguf.cc), `jaxinfer_bf16_tile_matmul`
+(tiles.cc, Intel AMX or AVX512-BF16; `tiles_engines()` says which this CPU
+and OS run) and `jaxinfer_f32_panel_matmul` (panels.cc, AVX-512;
 `panels_available()`). The library is compiled on first use with the machine's C++
 compiler into the cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native),
 keyed by the sources and the headers they share (native_items.h, kv_rows.h, fast_exp.h),
@@ -34,13 +34,9 @@ import jax
 log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-HEADERS = (os.path.join(_HERE, "native_items.h"),  # included by sources: part of the key
-           os.path.join(_HERE, "paged_attention", "kv_rows.h"),
-           os.path.join(_HERE, "paged_attention", "fast_exp.h"))
-SOURCES = (os.path.join(_HERE, "paged_attention", "cpu_decode.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_matmul.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_tiles.cc"),
-           os.path.join(_HERE, "block_matmul", "cpu_panels.cc"))
+HEADERS = tuple(os.path.join(_HERE, h) for h in  # included by sources: part of the key
+                ("native_items.h", "kv_rows.h", "fast_exp.h"))
+SOURCES = tuple(os.path.join(_HERE, c) for c in ("decode.cc", "gguf.cc", "tiles.cc", "panels.cc"))
 # custom-call target -> the handler symbol the library exports
 TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
            "jaxinfer_block_matmul": "JaxinferBlockMatmul",
@@ -66,7 +62,7 @@ def _flags() -> list:
   # x86-64-v3 (AVX2, FMA, F16C) or, where the CPU has AVX-512's F, BW, CD, DQ and VL,
   # x86-64-v4: the library is built on the machine that runs it (the flags are part of its
   # key), never -march=native (see install_peers.sh). v4 gives the decode call's 8-float
-  # vectors 32 registers (cpu_decode.cc's ColumnBlock).
+  # vectors 32 registers (decode.cc's ColumnBlock).
   words = set(cpu.split())
   if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= words:
     v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= words
@@ -184,7 +180,7 @@ def panels_available() -> bool:
 def stacked_call(target: str, x, w, layer, n: int, **attrs):
   """y [M, n] float32 = the custom call `target` of x [M, K] (as float32) and a stacked
   (or single) packed weight w at `layer` (None: 0), with the call's attributes (numpy
-  scalars): the block_matmul layouts' door."""
+  scalars): the packed weight layouts' door."""
   import jax.numpy as jnp
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
   layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
