@@ -2,8 +2,7 @@
 
 A weight is a pytree. A bare array, or `Dense`, is a dense matrix stored [in, out] (f32 or
 a half precision); other forms carry their own product as a `matmul(x)` method: packed
-layouts and quantized formats a platform's backend provides (`jaxinfer.platforms`),
-`Concat` (several weights read by one input, the product one matrix [in, sum of outs]) and
+layouts and quantized formats a platform's backend provides (`jaxinfer.platforms`), and
 `Adapted` (a weight plus the step's LoRA low-rank products, 8.2.1). The model calls only
 `linear` / `linear_group` and the layer helpers below; it never asks what a weight is.
 
@@ -68,19 +67,6 @@ def splits_of(w) -> Tuple[int, ...]:
   return tuple(as_weight(w).splits)
 
 
-@_pytree(data=("parts",))
-class Concat:
-  """Weights that read the same input, as one [in, sum of outs] product."""
-  parts: Tuple[Any, ...]
-
-  @property
-  def splits(self) -> Tuple[int, ...]:
-    return tuple(n for p in self.parts for n in splits_of(p))
-
-  def matmul(self, x):
-    return jnp.concatenate([linear(x, p) for p in self.parts], axis=-1)
-
-
 @_pytree(data=("base", "deltas", "layer", "index"))
 class Adapted:
   """`base` plus the step's adapters: deltas holds, per part of base's output, the LoRA
@@ -126,16 +112,6 @@ def linear_group(x, p, names):
   return [linear(x, p[n]) for n in names]
 
 
-def fuse(layer, groups):
-  """A dense layer dict with each group of names (same input) as one `Concat` weight under
-  `group_key` (the form a backend's packing replaces whole)."""
-  out = dict(layer)
-  for g in groups:
-    if len(g) > 1 and all(n in out for n in g):
-      out[group_key(g)] = Concat(tuple(as_weight(out.pop(n)) for n in g))
-  return out
-
-
 def with_adapters(p, pool, layer, index):
   """A layer's weights with each LoRA target in the step's adapter pool wrapped in
   `Adapted` (fused weights per part)."""
@@ -149,14 +125,10 @@ def with_adapters(p, pool, layer, index):
   return out
 
 
-def _typed_leaf(w) -> bool:
-  return _is_weight(w)
-
-
 def for_rows(tree, rows: int):
   """Each weight in `tree` in the form that serves a step of `rows` rows."""
   return jax.tree_util.tree_map(
-      lambda w: w.for_rows(rows) if hasattr(w, "for_rows") else w, tree, is_leaf=_typed_leaf)
+      lambda w: w.for_rows(rows) if hasattr(w, "for_rows") else w, tree, is_leaf=_is_weight)
 
 
 def split_in_place(layer):
@@ -174,7 +146,7 @@ def layer_at(scanned, in_place, i):
 def activation_dtype(params):
   """The dtype of the model's activations: the embedding's, unless a weight asks for
   another (a backend whose half-precision products take float32 inputs)."""
-  for w in jax.tree_util.tree_leaves(params, is_leaf=_typed_leaf):
+  for w in jax.tree_util.tree_leaves(params, is_leaf=_is_weight):
     dt = getattr(w, "activation_dtype", None)
     if dt is not None:
       return dt
