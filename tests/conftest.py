@@ -138,3 +138,16 @@ def smollm2():
   tests start restore them (6 s) instead of converting the GGUF again (14 s)."""
   from jaxinfer.loading import load_model
   return load_model("smollm2-135m-instruct", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(smollm2):
+  """SmolLM2's tokenizer and vocabulary over a 2-layer random model: the engine's core
+  guarantees at a size the default suite compiles in seconds (the full model runs them in
+  the slow suite)."""
+  import dataclasses
+  import jax
+  from jaxinfer.model.params import init_params
+  cfg = smollm2.cfg.replace(name="tiny-smollm2", num_layers=2, hidden_size=64,
+                            intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+  return dataclasses.replace(smollm2, cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(7)))

@@ -57,10 +57,9 @@ def run_tp() -> dict:
       greedy(llm, [[(t * 5 + 11) % 1000 for t in p] for p in PROMPTS])
       out["compiled_when_warm"] = num_compiled_steps() - before
     p = llm.executor.params
-    if "blocks" in p:  # one device: the weights packed for the native CPU matmuls
-      split = dict(p["blocks"]["layers"])
-    else:
-      split = {k: p["layers"][k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    # the layers' matmul weights, in whatever form the executor holds them (one CPU device:
+    # packed for the native matmuls where the CPU runs them)
+    split = {k: w for k, w in p["layers"].items() if not k.endswith("norm")}
     split["embed"] = p["embed"]
     out["weights"][tp] = {"full": sum(a.nbytes for a in jax.tree_util.tree_leaves(split)),
                           "per_device": sharding.device_bytes(split)}

@@ -75,10 +75,12 @@ def test_quantized_kv_prefix_hit_equals_its_own_chunked_run(smollm2, fmt):
   eng.pm.check_invariants(eng.cache.owned_refs())
 
 
-@pytest.mark.slow
-def test_warm_engine_never_recompiles(smollm2):
+@pytest.mark.parametrize("model", [pytest.param("smollm2", marks=pytest.mark.slow),
+                                   "tiny_smollm2"])
+def test_warm_engine_never_recompiles(request, model):
   """Warmed with structured=True: plain and grammar-masked steps of every shape."""
-  eng = make(smollm2, tokenizer=smollm2.tokenizer)
+  m = request.getfixturevalue(model)
+  eng = make(m, tokenizer=m.tokenizer)
   eng.warmup(structured=True)
   before = num_compiled_steps()
   rng = np.random.default_rng(3)

@@ -76,14 +76,16 @@ def test_kv_pool_too_small_is_an_error(smollm2):
     small.generate(["The capital of France is"], SamplingParams(max_tokens=8))
 
 
-@pytest.mark.slow
-def test_backends_greedy_equal_reference(smollm2):
+@pytest.mark.parametrize("model", [pytest.param("smollm2", marks=pytest.mark.slow),
+                                   "tiny_smollm2"])
+def test_backends_greedy_equal_reference(request, model):
   """--attention=pallas (interpret mode on CPU) and xla give the reference's greedy tokens."""
+  m = request.getfixturevalue(model)
   table = BucketTable(token_sizes=(8,), request_sizes=(1,), page_table_sizes=(4,))
   sp = SamplingParams(max_tokens=4, ignore_eos=True)
   outs = {}
   for backend in ("reference", "pallas", "xla"):
-    llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, attention=backend)
+    llm = LLM.from_loaded(m, warmup=False, num_pages=8, buckets=table, attention=backend)
     outs[backend] = llm.generate(["The capital of France is"], sp)[0].token_ids
   assert outs["pallas"] == outs["reference"] == outs["xla"]
 
@@ -125,5 +127,5 @@ def test_q_precision_reaches_attention(smollm2):
       lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
   assert lps["f32", "native"] == lps["f32", "kv"]
   assert lps["q4_0", "native"] != lps["q4_0", "kv"]
-  with pytest.raises(ValueError, match="unknown Q precision 'fp4'"):
+  with pytest.raises(ValueError, match=r"q_precision must be one of \('native', 'kv'\), got 'fp4'"):
     LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, q_precision="fp4")
