@@ -11,11 +11,13 @@ import sys
 import time
 
 from absl import app, flags
-from jaxinfer import strict_json
+from jaxinfer import engine_config, strict_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct",
                     "model name or path (.gguf / HF dir / checkpoint)")
+engine_config.define_flags(flags)  # every engine option, from EngineConfig
+flags.adopt_module_key_flags(engine_config)  # listed by --help with the CLI's own
 flags.DEFINE_multi_string("prompt", None, "prompt text; repeat for a batch")
 flags.DEFINE_bool("chat", False, "wrap each prompt in the model's chat template")
 flags.DEFINE_integer("max_tokens", 64, "maximum new tokens per prompt")
@@ -30,54 +32,11 @@ flags.DEFINE_float("frequency_penalty", 0.0, "-f x the token's count in the outp
 flags.DEFINE_float("repetition_penalty", 1.0, "over prompt and output tokens (1 = off)")
 flags.DEFINE_integer("min_tokens", 0, "EOS cannot end an answer before this many tokens")
 flags.DEFINE_integer("logprobs", None, "--json: the N most likely tokens at each step (<= 20)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
-flags.DEFINE_enum("kv_format", "f32", ["f32", "bf16", "fp8", "q8_0", "q4_0"], "KV cache format")
-flags.DEFINE_enum("q_precision", "native", ["native", "kv"],
-                  "Q against a quantized KV pool: compute dtype, or rounded like the KV (8.4.4)")
-flags.DEFINE_enum("attention", "xla", ["xla", "reference", "pallas"],
-                  "attention backend: xla (XLA ops laid out for CPU), reference (the jnp "
-                  "oracle), pallas (GPU kernels)")
-flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-flags.DEFINE_enum("weight_format", "dense", ["dense", "gguf"],
-                  "dense: weights dequantized to --dtype; gguf (a .gguf model on CPU): steps "
-                  "of few tokens multiply by the file's own Q4_0/Q4_1/Q8_0 blocks in place "
-                  "(the same weights, about 5x fewer bytes read per decode step)")
-flags.DEFINE_enum("layers", "scan", ["scan", "unrolled"],
-                  "layer loop: lax.scan over stacked weights (compiles fast), or one block per "
-                  "layer (no weight copies out of the stack: batch-1 decode 27 vs 38 ms on "
-                  "SmolLM2 here; each shape compiles about 3x slower)")
-flags.DEFINE_integer("num_pages", 1024, "KV pool size in pages")
 flags.DEFINE_bool("json", False, "print one JSON object per prompt")
-flags.DEFINE_enum("speculative", "none", ["none", "ngram", "early_exit", "draft_model"],
-                  "speculative decoding drafter (8.5)")
-flags.DEFINE_integer("num_draft", 4, "longest draft per round (m)")
-flags.DEFINE_bool("adaptive_draft", False, "per-request draft length by 8.5.4's marginal rule")
-flags.DEFINE_integer("early_exit_layers", 0, "early_exit: layers of the target used to draft "
-                     "(0 = half)")
-flags.DEFINE_string("draft_model", "", "draft_model: a model name or path sharing the "
-                    "tokenizer (e.g. a checkpoint from tools/train_draft.py)")
 flags.DEFINE_bool("stream", False, "generate: print the answer as it is produced (one prompt)")
 flags.DEFINE_string("system", None, "generate --chat: a system message before each prompt")
-flags.DEFINE_enum("policy", "chunked", ["chunked", "continuous", "separate", "fixed"],
-                  "scheduling policy (8.2; separate: an admitted prefill runs as its own "
-                  "iteration, 8.1.1)")
-flags.DEFINE_integer("max_num_batched_tokens", 256, "largest token bucket: new tokens per "
-                     "step (8.2.4's token budget)")
-flags.DEFINE_integer("max_num_seqs", 64, "largest request bucket: requests per step "
-                     "(generate: at most the number of prompts unless given)")
-flags.DEFINE_integer("max_model_len", 0, "context window (0 = the model's)")
-flags.DEFINE_bool("prefix_cache", False, "radix prefix cache (8.3.3)")
-flags.DEFINE_bool("deadline_admission", False, "serve: reject at once what cannot finish by "
-                  "its deadline (8.6.1; HTTP 503)")
 flags.DEFINE_float("deadline_s", 0.0, "serve: each request's deadline in seconds from arrival "
                    "(0 = none; a request may set its own with the field deadline_s)")
-flags.DEFINE_bool("warmup", True, "compile every bucket shape before the first request "
-                  "(a progress bar; the default table has about 82, reloaded from the "
-                  "persistent compilation cache after the first run; --nowarmup compiles "
-                  "each shape the first time a step needs it)")
-flags.DEFINE_string("buckets", None, "a bucket table as JSON (tools/bucket_plan.py writes "
-                    "them); default: a small table from --max_num_batched_tokens and "
-                    "--max_num_seqs")
 flags.DEFINE_string("json_schema", None, "generate: a JSON Schema file; every answer is JSON "
                     "that validates against it (structured output)")
 flags.DEFINE_bool("json_object", False, "generate: every answer is a JSON object")
@@ -86,19 +45,9 @@ flags.DEFINE_string("grammar", None, "generate: a context-free grammar file (Lar
                     "llama.cpp GBNF); every answer is a sentence of it")
 flags.DEFINE_multi_string("choice", [], "generate: the answer is exactly one of these "
                           "strings; repeatable")
-flags.DEFINE_bool("structured_output", False, "serve: the warm-up also compiles each shape's "
-                  "token-masked variant, so response_format / guided_* requests never compile "
-                  "mid-traffic (they work without it; each variant then compiles at first "
-                  "use). generate: on whenever a constraint flag is given")
 flags.DEFINE_multi_string("lora", [], "a LoRA adapter as NAME=PEFT_DIR; repeatable (8.2.1). "
                           "serve: requests pick one with model=NAME")
 flags.DEFINE_string("lora_name", None, "generate: run the prompts with this --lora adapter")
-flags.DEFINE_integer("max_loras", 0, "adapter slots on the device (0: one per --lora, at most 8)")
-flags.DEFINE_integer("max_lora_rank", 16, "the largest adapter rank the slots hold")
-flags.DEFINE_string("mesh", "", "devices: 'tp:N[,dp:M]' - each replica tensor parallel over N "
-                    "devices, M data-parallel replicas behind a router (default: one device)")
-flags.DEFINE_enum("routing", "prefix", ["prefix", "round_robin"], "with dp > 1: send a request "
-                  "to the replica that saw its longest prefix (balanced by load), or in turn")
 flags.DEFINE_string("coordinator", None, "several processes (jax.distributed): HOST:PORT of "
                     "process 0; also JAXINFER_COORDINATOR")
 flags.DEFINE_integer("num_processes", None, "several processes: how many (also "
@@ -229,21 +178,13 @@ def _lora_flags() -> dict:
 
 def _make_llm(buckets, max_num_seqs=None, structured_output=False):
   from jaxinfer.llm import LLM
-  return LLM(FLAGS.model, dtype=FLAGS.dtype, kv_format=FLAGS.kv_format,
-             page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, attention=FLAGS.attention,
-             speculative=FLAGS.speculative, num_draft=FLAGS.num_draft,
-             adaptive_draft=FLAGS.adaptive_draft,
-             early_exit_layers=FLAGS.early_exit_layers or None,
-             draft_model=FLAGS.draft_model or None, q_precision=FLAGS.q_precision,
-             max_model_len=FLAGS.max_model_len or None, prefix_cache=FLAGS.prefix_cache,
-             policy=FLAGS.policy, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-             max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
-             deadline_admission=FLAGS.deadline_admission,
-             buckets=buckets, warmup=FLAGS.warmup, structured_output=structured_output,
-             lora_adapters=_lora_flags(), max_loras=FLAGS.max_loras or None,
-             max_lora_rank=FLAGS.max_lora_rank, mesh=FLAGS.mesh or None,
-             routing=FLAGS.routing, scan_layers=FLAGS.layers == "scan",
-             weight_format=FLAGS.weight_format)
+  try:
+    config = engine_config.from_flags(
+        FLAGS, buckets=buckets, max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
+        structured_output=structured_output, lora_adapters=_lora_flags())
+  except ValueError as e:
+    _usage_error(str(e))
+  return LLM(FLAGS.model, config)
 
 
 def _serve():

@@ -12,6 +12,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
+from jaxinfer.engine_config import EngineConfig
 from jaxinfer.runtime.engine import Engine, RequestTooLargeError  # noqa: F401 (re-export)
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.scheduler import SchedulerConfig
@@ -68,114 +69,47 @@ class RequestOutput:
 class LLM:
   """Load a model and generate from batches of prompts."""
 
-  def __init__(self, model="smollm2-135m-instruct", *, dtype: str = "float32",
-               kv_format: str = "f32", page_size: int = 16, num_pages: int = 1024,
-               max_model_len: Optional[int] = None, attention: str = "xla",
-               buckets: Optional[BucketTable] = None, scan_layers: bool = True,
-               scheduler: Optional[SchedulerConfig] = None, prefix_cache: bool = False,
-               speculative: str = "none", num_draft: int = 4, adaptive_draft: bool = False,
-               early_exit_layers: Optional[int] = None, draft_model=None, offload=None,
-               q_precision: str = "native", policy: str = "chunked",
-               max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-               deadline_admission: bool = False, warmup: bool = True,
-               cache_eviction: str = "lru", host_cache_pages: int = 0,
-               structured_output: bool = False, lora_adapters=None,
-               max_loras: Optional[int] = None, max_lora_rank: int = 16,
-               mesh: Optional[str] = None, routing: str = "prefix",
-               weight_format: str = "dense"):
-    """speculative: none | ngram | early_exit (8.5); num_draft: the longest draft;
-    adaptive_draft: choose each request's draft length by 8.5.4's marginal rule;
-    draft_model: for speculative="draft_model", a name, path or LoadedModel;
-    q_precision: "native" (Q in the compute dtype) or "kv" (Q rounded through the KV
-    format's compute path), 8.4.4's storage-vs-compute split;
-    policy / max_num_batched_tokens / max_num_seqs / deadline_admission: the scheduler
-    (8.2) and the largest token and request buckets, when `buckets` / `scheduler` are not
-    given (vLLM's names);
-    offload: an OffloadConfig (weights streamed from host memory, 8.4.3); the device memory
-    it saves net of the prefetch buffers is given to the KV pool, so admission (which
-    reserves pages) admits more requests;
-    cache_eviction / host_cache_pages: the prefix cache's eviction policy ("lru" or
-    "value", 8.3.4) and the pages of its host-memory tier (evicted prefixes move there and
-    come back on a hit instead of being recomputed; 0 = none);
-    buckets: a BucketTable or the path of one as JSON (tools/bucket_plan.py writes them);
-    default: BucketTable.default (about 82 shapes at 64 requests);
-    warmup: compile every shape of the table now, with a progress bar (8.2.4: no request
-    then waits for a compile; the persistent compilation cache makes a second process
-    mostly reload them). `warmup_s` holds the seconds spent;
-    structured_output: the warm-up also compiles each shape's token-masked variant (steps
-    that carry json_schema / regex / grammar / choice requests), so a server taking
-    constrained requests never compiles mid-traffic; constrained requests work without it,
-    each masked variant then compiling at its first use;
-    mesh: "tp:N[,dp:M]" (jaxinfer/sharding.py): each replica tensor parallel over N
-    devices, M replicas behind a router (runtime/router.py), num_pages per replica;
-    routing: the router's policy with dp > 1 ("prefix" or "round_robin");
-    weight_format: "dense" (weights dequantized to `dtype`) or "gguf" (a .gguf model on
-    CPU, one device: steps of few tokens read the file's own Q4_0 / Q4_1 / Q8_0 blocks in
-    place, 8.4.1; the same weights bit for bit, ~5x fewer bytes per decode step)."""
+  def __init__(self, model="smollm2-135m-instruct", config: Optional[EngineConfig] = None,
+               **options):
+    """model: a name, a path (.gguf, HF safetensors directory, orbax checkpoint) or a
+    LoadedModel. config: an EngineConfig (jaxinfer/engine_config.py: every option with its
+    default, help and check); keyword options are its fields, set on top of it
+    (`LLM(model, max_num_seqs=16)`). Everything is checked before the model loads.
+
+    A few options in brief (EngineConfig says the rest): buckets: a BucketTable or the path
+    of one as JSON, default BucketTable.default (8.2.4); warmup: compile every shape of the
+    table now, with a progress bar (`warmup_s` holds the seconds); offload: an
+    OffloadConfig (8.4.3), whose net device-memory saving goes to the KV pool; mesh:
+    "tp:N[,dp:M]" (jaxinfer/sharding.py), num_pages per replica; weight_format="gguf": steps
+    of few tokens read the .gguf file's own blocks in place (CPU, one device, 8.4.1)."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
-    if not isinstance(structured_output, bool):
-      raise ValueError(f"structured_output must be a bool, got {structured_output!r}")
-    if cache_eviction not in ("lru", "value"):
-      raise ValueError(f"cache_eviction must be 'lru' or 'value', got {cache_eviction!r}")
-    if isinstance(host_cache_pages, bool) or not isinstance(host_cache_pages, int) or \
-        host_cache_pages < 0:
-      raise ValueError(f"host_cache_pages must be an integer >= 0, got {host_cache_pages!r}")
-    for name, v in (("page_size", page_size), ("num_pages", num_pages),
-                    ("num_draft", num_draft), ("max_num_batched_tokens", max_num_batched_tokens),
-                    ("max_num_seqs", max_num_seqs)):  # checked before the (slow) model load
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    try:
+      c = (config or EngineConfig()).replace(**options)
+    except TypeError as e:  # an unknown option
+      raise ValueError(f"{e}; the options are EngineConfig's fields") from None
+    self.config = c
     from jaxinfer import sharding
-    self.mesh = sharding.MeshSpec.parse(mesh)
+    self.mesh = sharding.MeshSpec.parse(c.mesh)
     groups = sharding.device_groups(self.mesh)
-    from jaxinfer.runtime.router import ROUTING
-    if routing not in ROUTING:
-      raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-    if speculative == "draft_model" and self.mesh.devices > 1:
-      raise ValueError("speculative='draft_model' runs the draft model on one device: not "
-                       f"with mesh {self.mesh}")
-    sharding.check_single_device_features(self.mesh.tp, self.mesh.dp > 1, offload,
-                                          bool(lora_adapters or max_loras))
-    from jaxinfer.runtime.scheduler import POLICIES
-    if policy not in POLICIES:
-      raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-      raise ValueError(f"max_model_len must be an integer >= 2 or None, got {max_model_len!r}")
-    if isinstance(buckets, str):
-      buckets = BucketTable.from_json(buckets)
-    if buckets is not None and not isinstance(buckets, BucketTable):
-      raise ValueError(f"buckets must be a BucketTable or a JSON path, got {buckets!r}")
-    lora_adapters = dict(lora_adapters or {})
-    for k, v in lora_adapters.items():
-      if not isinstance(k, str) or not k or not isinstance(v, str):
-        raise ValueError(f"lora_adapters must map adapter names to PEFT directories, got "
-                         f"{k!r}: {v!r}")
-    if max_loras is None:
-      max_loras = min(len(lora_adapters), 8)
-    for name, v, lo in (("max_loras", max_loras, 0), ("max_lora_rank", max_lora_rank, 1)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    if lora_adapters and not max_loras:
-      raise ValueError("lora_adapters given with max_loras=0: no slot could serve them")
-    if max_loras and offload is not None and offload.layers:
-      raise ValueError("LoRA adapters cannot be combined with weight offload")
+    buckets = BucketTable.from_json(c.buckets) if isinstance(c.buckets, str) else c.buckets
+    lora_adapters = dict(c.lora_adapters or {})
+    max_loras = min(len(lora_adapters), 8) if c.max_loras is None else c.max_loras
     from jaxinfer.loading.registry import check_weight_format
-    check_weight_format(weight_format)
-    if weight_format == "gguf" and (self.mesh.devices > 1 or (offload and offload.layers)):
-      raise ValueError(f"weight_format='gguf' runs on one device without weight offload: not "
-                       f"with mesh {self.mesh} / offload {offload}")
+    check_weight_format(c.weight_format)
+    dtype, kv_format, page_size, num_pages = c.dtype, c.kv_format, c.page_size, c.num_pages
+    offload, max_lora_rank, draft_model = c.offload, c.max_lora_rank, c.draft_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
     from jaxinfer.loading.registry import with_weight_format
-    self.model = with_weight_format(model, weight_format) if isinstance(
-        model, LoadedModel) else load_model(model, dtype, scan_layers=scan_layers,
-                                            weight_format=weight_format)
+    self.model = with_weight_format(model, c.weight_format) if isinstance(
+        model, LoadedModel) else load_model(model, dtype, scan_layers=c.scan_layers,
+                                            weight_format=c.weight_format)
     self.cfg = self.model.cfg
     self.cfg.check_tp(self.mesh.tp)
     self.tokenizer = self.model.tokenizer
-    self.max_model_len = min(max_model_len or self.cfg.max_position, self.cfg.max_position)
+    self.max_model_len = min(c.max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(
-        max_tokens=max_num_batched_tokens, max_requests=max_num_seqs,
+        max_tokens=c.max_num_batched_tokens, max_requests=c.max_num_seqs,
         max_pages=-(-self.max_model_len // page_size))
     from jaxinfer.costmodel.lora import kv_pages_taken
     from jaxinfer.costmodel.offload import kv_pages_freed
@@ -200,39 +134,39 @@ class LLM:
                          "max_loras / max_lora_rank")
       log.info("LoRA slots take %d KV pages' device memory", taken)
       num_pages -= taken
-    sched = scheduler or SchedulerConfig(
-        policy=policy, max_running=self.buckets.max_requests,
+    sched = c.scheduler or SchedulerConfig(
+        policy=c.policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
-        deadline_admission=deadline_admission, cache_key=(self.cfg.name, "", kv_format))
+        deadline_admission=c.deadline_admission, cache_key=(self.cfg.name, "", kv_format))
     eos = tuple(self.cfg.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
     from jaxinfer.executors.drafters import make_drafter
     from jaxinfer.runtime.speculative import DraftLengthPolicy
-    if speculative == "draft_model" and draft_model is not None and not isinstance(
+    if c.speculative == "draft_model" and draft_model is not None and not isinstance(
         draft_model, LoadedModel):
-      draft_model = load_model(draft_model, dtype, scan_layers=scan_layers)
+      draft_model = load_model(draft_model, dtype, scan_layers=c.scan_layers)
     engines = []
     for devices in groups:  # one replica per data-parallel group of tp devices
       executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
-                             page_size=page_size, kv_format=kv_format, backend=attention,
-                             offload=offload, q_precision=q_precision,
+                             page_size=page_size, kv_format=kv_format, backend=c.attention,
+                             offload=offload, q_precision=c.q_precision,
                              lora_adapters=adapters, max_loras=max_loras,
                              max_lora_rank=max_lora_rank if max_loras else 0, devices=devices)
-      drafter = make_drafter(speculative,
-                             early_exit_layers=early_exit_layers or self.cfg.num_layers // 2,
+      drafter = make_drafter(c.speculative,
+                             early_exit_layers=c.early_exit_layers or self.cfg.num_layers // 2,
                              draft_model=draft_model, draft_pages=num_pages)
       engines.append(Engine(executor, sched, buckets=self.buckets, tokenizer=self.tokenizer,
                             eos_token_ids=eos, max_model_len=self.max_model_len,
-                            prefix_cache=prefix_cache, cache_eviction=cache_eviction,
-                            host_cache_pages=host_cache_pages, drafter=drafter,
-                            draft_policy=DraftLengthPolicy(num_draft, adaptive_draft)))
+                            prefix_cache=c.prefix_cache, cache_eviction=c.cache_eviction,
+                            host_cache_pages=c.host_cache_pages, drafter=drafter,
+                            draft_policy=DraftLengthPolicy(c.num_draft, c.adaptive_draft)))
     self.replicas = engines  # one Engine per data-parallel replica
     self.executor = engines[0].executor
     self.engine = engines[0]
     if len(engines) > 1:
       from jaxinfer.runtime.router import Router
-      self.engine = Router(engines, routing)
-    self.warmup_s = self.engine.warmup(progress=True, structured=structured_output) \
-        if warmup else 0.0
+      self.engine = Router(engines, c.routing)
+    self.warmup_s = self.engine.warmup(progress=True, structured=c.structured_output) \
+        if c.warmup else 0.0
 
   def add_lora(self, name: str, path: str) -> None:
     """Register one more PEFT adapter (vLLM's load_lora_adapter). Checked fully before
@@ -241,7 +175,7 @@ class LLM:
     requests use is refused; re-adding an adapter the engine disabled (its requests' logits
     were non-finite) serves it again."""
     from jaxinfer.lora import load_peft
-    if self.executor.lora_pool is None:
+    if not self.executor.max_loras:
       raise ValueError("this LLM has no LoRA slots: construct it with max_loras >= 1")
     if not isinstance(name, str) or not name:
       raise ValueError(f"adapter name must be a non-empty str, got {name!r}")

@@ -123,3 +123,35 @@ def test_only_the_platform_table_names_the_cpu_backend():
     if rel not in allowed:
       assert not any(m.startswith("pallas_kernels.cpu") for m, _ in _imports(f)), rel
       assert "pallas_kernels.cpu" not in f.read_text(), rel
+
+
+def test_engine_config_is_the_one_list_of_engine_options():
+  """LLM takes an EngineConfig or its fields (no option re-declared in its signature); the
+  CLI and the server (one flag set) define every command-line option from it, with the
+  same defaults; an unknown option or a bad value is a ValueError naming it."""
+  import dataclasses
+  import inspect
+  import pytest
+  from absl import flags
+  from jaxinfer import cli  # noqa: F401 (defines the flags)
+  from jaxinfer.engine_config import EngineConfig, flag_fields, from_flags
+  from jaxinfer.llm import LLM
+  assert list(inspect.signature(LLM.__init__).parameters) == ["self", "model", "config",
+                                                               "options"]
+  FLAGS = flags.FLAGS
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  flagged = {name for _, name in flag_fields()}
+  for f, name in flag_fields():
+    assert name in FLAGS, name
+    conv = f.metadata["from_flag"] or (lambda v: v)
+    assert conv(FLAGS[name].default) == f.default, name
+  assert from_flags(type("V", (), {n: FLAGS[n].default for n in flagged})) == EngineConfig()
+  # the CLI's own flags are not engine options under another name
+  src = (ROOT / "jaxinfer" / "cli.py").read_text()
+  import re
+  own = set(re.findall(r'flags\.DEFINE_\w+\("(\w+)"', src))
+  assert not own & (fields | flagged), own & (fields | flagged)
+  with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got 0"):
+    LLM("no-such-model", max_num_seqs=0)
+  with pytest.raises(ValueError, match="unexpected keyword argument 'num_page'"):
+    LLM("no-such-model", num_page=4)

@@ -196,7 +196,8 @@ def test_request_fields_and_llm_sizes_are_checked_before_anything_changes():
   for kw, words in [(dict(page_size=0), "page_size must be an integer >= 1, got 0"),
                     (dict(num_pages=-3), "num_pages must be"),
                     (dict(max_model_len=1), "max_model_len must be"),
-                    (dict(cache_eviction="fifo"), "cache_eviction must be 'lru' or 'value'"),
+                    (dict(cache_eviction="fifo"),
+                     r"cache_eviction must be one of \('lru', 'value'\), got 'fifo'"),
                     (dict(host_cache_pages=-1), "host_cache_pages must be an integer >= 0"),
                     (dict(buckets="/no/such/table.json"), "No such file")]:
     with pytest.raises((ValueError, OSError), match=words):

@@ -14,7 +14,8 @@ sys.path.insert(0, ROOT)
 
 HEAD = """# Command line
 
-Generated from the flags of `jaxinfer/cli.py` by `python tools/gen_cli_docs.py`; `python -m
+Generated from the flags of `jaxinfer/cli.py` and the engine options it defines from
+`EngineConfig` (`jaxinfer/engine_config.py`) by `python tools/gen_cli_docs.py`; `python -m
 jaxinfer --help` prints the same text.
 
 ```
@@ -34,9 +35,10 @@ def _cell(text: str) -> str:
 
 def render() -> str:
   from absl import flags
-  from jaxinfer import cli
+  from jaxinfer import cli, engine_config
   rows = []
-  for f in sorted(flags.FLAGS.get_flags_for_module(cli.__name__), key=lambda f: f.name):
+  every = [f for m in (cli, engine_config) for f in flags.FLAGS.get_flags_for_module(m.__name__)]
+  for f in sorted(every, key=lambda f: f.name):
     kind = f.flag_type()
     if getattr(f.parser, "enum_values", None):
       kind = "one of " + ", ".join(f.parser.enum_values)
