@@ -22,7 +22,7 @@ from jaxinfer.model import transformer
 def sample_packed(logits, inputs, argmax=sampling.greedy):
   """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
   (token id, logprob, draft accepted), the step's one device -> host copy (what
-  `StepResult.packed` holds); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]: then
+  what `StepResult.from_packed` decodes); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]: then
   the 20 most likely token ids and their logprobs. Optional inputs are part of the traced
   structure, so a step without them compiles and runs without that work:
   `token_mask` (structured output, min_tokens); `min_p`, `repetition`, `seen` and

@@ -1,6 +1,7 @@
 """A fault fails only its step's requests; an interrupt leaves the engine empty and
 healthy; one thread owns an engine. Each case failed on the main before this file: the
 failing request stayed running with its pages and every later step failed the same way."""
+import dataclasses
 import threading
 
 import numpy as np
@@ -8,7 +9,6 @@ import pytest
 
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
-from jaxinfer.executors.base import StepResult
 from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
 from jaxinfer.llm import LLM
 from jaxinfer.runtime.engine import Engine
@@ -37,13 +37,13 @@ class FaultySim(SimExecutor):
     plan, result = handle
     if self.where == "collect" and self._carries_bad(plan):
       raise RuntimeError("injected collect fault")
-    packed = result.packed.copy()
+    logprobs = result.logprobs.copy()
     row = 0
     for s in plan.seqs:
       if s.request.request_id in self.nan_for:
-        packed[row:row + s.num_logits, 1] = np.nan
+        logprobs[row:row + s.num_logits] = np.nan
       row += s.num_logits
-    return StepResult(packed, result.duration_s)
+    return dataclasses.replace(result, logprobs=logprobs)
 
 
 def _engine(ex, **kw):

@@ -133,9 +133,9 @@ class DraftModelDrafter:
     step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
     sid = self.pm.begin_step()
     self.pm.note_reads(sid, [p for w in works for p in w.page_table])
-    packed = self.executor.execute(step).packed
+    tokens = self.executor.execute(step).tokens
     self.pm.complete_step(sid)
-    return packed
+    return tokens
 
   def _extend(self, rid, tokens) -> bool:
     """Pages for `tokens` more positions of rid (copy-on-write done); False if short."""
@@ -197,7 +197,7 @@ class DraftModelDrafter:
         batch.append(r)
       if not works:
         break
-      packed = self._run(works)
+      tokens = self._run(works)
       for i, r in enumerate(batch):
-        drafts[r.request_id].append(int(packed[i, 0]))
+        drafts[r.request_id].append(int(tokens[i]))
     return drafts

@@ -207,7 +207,7 @@ class JaxExecutor:
   def collect(self, handle) -> StepResult:
     out, t0 = handle
     packed = np.asarray(out)  # the one device -> host copy of the step
-    return StepResult(packed=packed, duration_s=time.perf_counter() - t0)
+    return StepResult.from_packed(packed, time.perf_counter() - t0)
 
   def execute(self, step: StepInput, plan=None) -> StepResult:
     return self.collect(self.launch(step, plan))
@@ -238,8 +238,8 @@ class JaxExecutor:
     self.pool = write_pages_jit(self.pool, pages, data)
 
   def logits(self, step: StepInput):
-    """The step run with its logits returned too (quality studies, oracles): (packed rows
-    as `collect` returns them, logits [S, vocab] float32), both numpy."""
+    """The step run with its logits returned too (quality studies, oracles): (its
+    StepResult, duration 0: not timed; logits [S, vocab] float32 numpy)."""
     if self.streamer is not None:
       raise ValueError("logits are not returned with weight offload")
     arrays = step.arrays
@@ -248,7 +248,7 @@ class JaxExecutor:
     (packed, logits), self.pool = self._steps.model(
         self.params, self.pool, arrays, cfg=self.cfg, attn_shape=step.bucket.attn_shape,
         backend=self.backend, return_logits=True)
-    return np.asarray(packed), np.asarray(logits)
+    return StepResult.from_packed(np.asarray(packed), 0.0), np.asarray(logits)
 
   # --- early-exit self-drafting (8.5.3) --------------------------------------------------
   def check_draft(self, num_layers: int) -> None:

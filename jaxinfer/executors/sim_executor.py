@@ -124,12 +124,12 @@ class SimExecutor:
       if b not in self.compiled:
         self.compiled.add(b)
         extra = self.compile_s
-    rows = []
+    ids, accepted = [], []
     for s in plan.seqs:
       for j in range(s.num_logits):
         acc = j < len(s.draft) and self._rng.random() < self.acceptance
-        rows.append((s.draft[j] if acc else self.token_id, 0.0, float(acc)))
-    packed = np.array(rows, np.float32).reshape(-1, 3)
+        ids.append(s.draft[j] if acc else self.token_id)
+        accepted.append(acc)
     if self.lora_cost is not None:
       tokens = {}
       for s in plan.seqs:
@@ -142,7 +142,8 @@ class SimExecutor:
     shared, sharing = plan.shared
     t = self.step_model.step_time(seqs, shared_tokens=shared, sharing=sharing,
                                   logits_rows=sum(s.num_logits for s in plan.seqs))
-    return StepResult(packed=packed, duration_s=t + extra)
+    return StepResult(np.array(ids, np.int32), np.zeros(len(ids), np.float32),
+                      np.array(accepted, bool), t + extra)
 
   @property
   def compiles(self) -> int:

@@ -1,7 +1,8 @@
 """Engine: add_request / step / abort / stream, over one Scheduler and one Executor.
 
     plan = scheduler.schedule(now)          # host: who runs, which tokens, which pages
-    result = executor.execute(step, plan)   # device (or the simulator's virtual clock)
+    handle = executor.launch(step, plan)    # device (or the simulator's virtual clock)
+    result = executor.collect(handle)       # a StepResult: per-row tokens, logprobs, ...
     scheduler.postprocess(plan, result)     # host: append tokens, finish, free
 
 The same scheduler, page manager and prefix cache serve the real executor (wall
@@ -28,16 +29,13 @@ from jaxinfer.runtime.batcher import SeqWork, StepInput, pack, select_bucket
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request
+from jaxinfer.runtime.request_checks import RequestChecks, RequestTooLargeError  # noqa: F401
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from jaxinfer.runtime.speculative import Speculator
 from jaxinfer.runtime.stopping import make_stop_check
 from jaxinfer.structured.step_masks import mask_filler
 
 log = logging.getLogger(__name__)
-
-
-class RequestTooLargeError(ValueError):
-  """A request can never run: longer than the context window, a bucket or the KV pool."""
 
 
 @dataclasses.dataclass
@@ -102,7 +100,7 @@ class Engine:
       self.scheduler.adapters = AdapterSlots(executor.max_loras)
     self.disabled_loras: Dict[str, str] = {}  # adapter -> why it was taken out of service
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
-    self._eos_token_ids = tuple(eos_token_ids)
+    self.eos_token_ids = tuple(eos_token_ids)
     self.requests: Dict[object, Request] = {}
     self.steps: List[StepRecord] = []
     self._next_id = 0
@@ -118,8 +116,7 @@ class Engine:
       drafter.bind(self.scheduler, executor, buckets)
       self.speculator = Speculator(drafter, draft_policy, buckets, max_model_len,
                                    executor.step_model)
-    self._grammars = None  # a GrammarCompiler, built at the first constrained request
-    self._grammars_lock = threading.Lock()  # validate_request may run on other threads
+    self.checks = RequestChecks(self)
     self.mask_time_s = 0.0  # host time spent filling structured-output token masks
 
   # --- clock -------------------------------------------------------------------------------
@@ -169,80 +166,16 @@ class Engine:
     return r
 
   def validate_request(self, prompt_token_ids, sampling: SamplingParams) -> List[int]:
-    """Every check add_request makes, with no state changed: the prompt ids as ints.
-    ValueError (RequestTooLargeError for sizes) names the field, the value and the limit."""
-    if not isinstance(sampling, SamplingParams):
-      raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    ids = self._check_token_ids(prompt_token_ids)
-    self.check_request(len(ids), sampling)
-    hi = self.executor.vocab_size
-    for t, _ in sampling.logit_bias or ():
-      if hi is not None and t >= hi:
-        raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {hi})")
-    if sampling.lora is not None and sampling.lora not in self.executor.lora_adapters:
-      known = sorted(self.executor.lora_adapters)
-      if sampling.lora in self.disabled_loras:
-        raise ValueError(f"LoRA adapter {sampling.lora!r} is disabled "
-                         f"({self.disabled_loras[sampling.lora]}); add it again to serve it")
-      raise ValueError(f"unknown LoRA adapter {sampling.lora!r}; this engine serves "
-                       f"{known if known else 'no adapters (max_loras=0)'}")
-    if sampling.constraint is not None:  # compiles (cached): an invalid one is a ValueError
-      self.grammar_compiler().compile(*sampling.constraint)
-    return ids
-
-  def grammar_compiler(self):
-    """The structured-output compiler for this engine's tokenizer (built once, ~0.3 s)."""
-    with self._grammars_lock:
-      if self._grammars is None:
-        from jaxinfer.structured import GrammarCompiler
-        if self.tokenizer is None:
-          raise ValueError("structured output (json_schema / regex / grammar / choice) needs "
-                           "a tokenizer; this engine has none")
-        vocab = self.executor.vocab_size or self.tokenizer.vocab_size
-        eos = list(self._eos_token_ids) or list(self.tokenizer.eos_token_ids)
-        self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
-      return self._grammars
-
-  def _check_token_ids(self, prompt_token_ids) -> List[int]:
-    """Prompt ids as ints in [0, vocab): out-of-range ids were clamped or wrapped on the
-    device, silently; checked here, before any state changes."""
-    if isinstance(prompt_token_ids, (str, bytes)):
-      raise ValueError("prompt_token_ids must be a sequence of token ids, not text "
-                       "(encode it with the tokenizer, or use LLM.generate)")
-    ids = []
-    hi = self.executor.vocab_size
-    for i, t in enumerate(prompt_token_ids):
-      if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-        raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
-      if t < 0 or (hi is not None and t >= hi):
-        raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary "
-                         f"[0, {hi if hi is not None else 'inf'})")
-      ids.append(int(t))
-    return ids
+    """Every check add_request makes, with no state changed (RequestChecks.validate)."""
+    return self.checks.validate(prompt_token_ids, sampling)
 
   def check_request(self, n_prompt: int, sp: SamplingParams) -> None:
-    """Raise RequestTooLargeError if such a request could never run (ValueError for an
-    empty prompt: nothing is too large there)."""
-    if n_prompt < 1:
-      raise ValueError("the prompt is empty: at least one token is needed")
-    total = n_prompt + sp.max_tokens
-    if total > self.max_model_len:
-      raise RequestTooLargeError(
-          f"prompt of {n_prompt} tokens + max_tokens {sp.max_tokens} = {total} exceeds the "
-          f"context window of {self.max_model_len} tokens")
-    if self.config.policy != "chunked" and n_prompt > self.buckets.max_tokens:
-      raise RequestTooLargeError(
-          f"prompt of {n_prompt} tokens is longer than the largest bucket of "
-          f"{self.buckets.max_tokens} tokens per step (use the chunked policy)")
-    pages = self.pm.pages_for(total - 1)
-    if pages > self.buckets.max_pages:
-      raise RequestTooLargeError(
-          f"request needs {pages} pages, more than the largest bucket of "
-          f"{self.buckets.max_pages} pages per request")
-    if pages > self.pm.num_pages:
-      raise RequestTooLargeError(
-          f"request needs {pages} KV pages ({total - 1} tokens) but the pool has only "
-          f"{self.pm.num_pages} pages of {self.pm.page_size} tokens")
+    """Raise RequestTooLargeError if such a request could never run."""
+    self.checks.check_size(n_prompt, sp)
+
+  def grammar_compiler(self):
+    """The structured-output compiler for this engine's tokenizer (built once)."""
+    return self.checks.grammar_compiler()
 
   def abort(self, request_id) -> bool:
     """Cancel a request at once (its pages return when no launched step reads them).
@@ -438,7 +371,7 @@ class Engine:
     """The step's token-mask filler (structured/step_masks.py), timed into mask_time_s;
     None when no request in the step is constrained."""
     fill = mask_filler(plan.seqs, num_rows, self.executor.vocab_size, self.grammar_compiler,
-                       self._eos_token_ids, self._end_unsatisfiable)
+                       self.eos_token_ids, self._end_unsatisfiable)
     if fill is None:
       return None
 
@@ -470,13 +403,9 @@ class Engine:
     end = self.now()
     self.pm.complete_step(f.step_id)
     self._in_flight = None
-    P = result.packed
-    K = (P.shape[1] - 3) // 2  # top-N alternatives returned (0 unless a request asked)
-    sampled = [(P[i, 0], P[i, 1], bool(P[i, 2]),
-                [(int(t), float(lp)) for t, lp in zip(P[i, 3:3 + K], P[i, 3 + K:])] if K
-                else None)
-               for i in range(sum(s.num_logits for s in f.plan.seqs))]
-    finite = np.isfinite(result.packed[:len(sampled), 1])
+    n_rows = sum(s.num_logits for s in f.plan.seqs)
+    sampled = result.rows(n_rows)
+    finite = np.isfinite(result.logprobs[:n_rows])
     if not finite.all():  # non-finite logits (damaged weights, overflow) fail the request
       self._fail_non_finite(f.plan, finite, end)
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
