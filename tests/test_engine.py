@@ -112,17 +112,22 @@ def test_sim_and_real_make_the_same_decisions(smollm2):
   assert real == sim
 
 
-# By default one n-gram run (adaptive draft lengths) and the draft model; the fixed-length
-# n-gram run with the slow tests; early exit's tokens also equal plain greedy's by default
-# in test_sharding ("tp:2 early_exit").
-@pytest.mark.parametrize("drafter,adaptive", [
-    pytest.param("ngram", False, marks=pytest.mark.slow), ("ngram", True),
-    pytest.param("early_exit", False, marks=pytest.mark.slow), ("draft_model", True)])
-def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
+# Every drafter in the default suite: n-gram (adaptive draft lengths) and the draft model
+# on SmolLM2, fixed-length n-gram and early exit on the 2-layer random model (its greedy
+# output repeats itself, so drafts are accepted there too); all four on SmolLM2 in the slow
+# suite.
+@pytest.mark.parametrize("model,drafter,adaptive", [
+    pytest.param("smollm2", "ngram", False, marks=pytest.mark.slow),
+    ("smollm2", "ngram", True),
+    pytest.param("smollm2", "early_exit", False, marks=pytest.mark.slow),
+    ("smollm2", "draft_model", True),
+    ("tiny_smollm2", "ngram", False), ("tiny_smollm2", "early_exit", False)])
+def test_speculative_greedy_equals_plain_greedy(request, model, drafter, adaptive):
   """Drafts verified in the target step: token-for-token the plain greedy output, under
   batching, chunking and (reserve='none', small pool) preemption."""
   from jaxinfer.executors.drafters import make_drafter
   from jaxinfer.runtime import speculative
+  smollm2 = request.getfixturevalue(model)
   tok = smollm2.tokenizer
   texts = ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
            "the cat sat on the mat. the cat sat on the mat. the cat",
@@ -136,8 +141,9 @@ def test_speculative_greedy_equals_plain_greedy(smollm2, drafter, adaptive):
   ex = JaxExecutor(smollm2.cfg, smollm2.params, num_pages=12, page_size=8)
   # The draft model here is the target itself (same tokenizer): its drafts are the target's
   # own greedy choices, so nearly all are accepted.
-  eng = Engine(ex, cfg, buckets=TABLE, drafter=make_drafter(drafter, early_exit_layers=20,
-                                                            draft_model=smollm2, draft_pages=12),
+  exit_layers = min(20, smollm2.cfg.num_layers - 1)
+  d = make_drafter(drafter, early_exit_layers=exit_layers, draft_model=smollm2, draft_pages=12)
+  eng = Engine(ex, cfg, buckets=TABLE, drafter=d,
                draft_policy=speculative.DraftLengthPolicy(num_draft=4, adaptive=adaptive))
   got = [eng.add_request(p, sp) for p in prompts]
   eng.run()
