@@ -148,7 +148,7 @@ class EngineMachine(RuleBasedStateMachine):
     self.eng.pm.check_invariants(held)
     assert self.eng.pm.num_free + len(held) == NUM_PAGES  # nothing leaked or pending
     COUNTS["runs"] += 1
-    COUNTS["engine_steps"] += self.eng._num_steps
+    COUNTS["engine_steps"] += self.eng.num_steps
     COUNTS["requests"] += len(self.eng.requests)
 
 

@@ -163,5 +163,5 @@ def test_memory_stays_flat_over_thousands_of_requests():
   tracemalloc.stop()
   assert len(eng.requests) <= 220 and len(eng.steps) <= 330
   assert len(eng.scheduler._key) <= 220
-  assert eng._num_steps > 600  # the records kept are the newest of many
+  assert eng.num_steps > 600  # the records kept are the newest of many
   assert sizes[-1] < 1.5 * sizes[1], sizes  # flat after the first block, not 6x

@@ -24,10 +24,11 @@ import numpy as np
 
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
-from jaxinfer.metrics import StepRecord, summarize
+from jaxinfer.metrics import summarize
 from jaxinfer.runtime.batcher import SeqWork, StepInput, pack, select_bucket
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
+from jaxinfer.runtime.records import StepLog, trim_requests
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.request_checks import RequestChecks, RequestTooLargeError  # noqa: F401
 from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -81,8 +82,6 @@ class Engine:
       raise ValueError(f"max_retained_requests ({max_retained_requests}) and "
                        f"max_step_records ({max_step_records}) must be >= 1")
     self.max_retained_requests = max_retained_requests
-    self.max_step_records = max_step_records
-    self._num_steps = 0
     self.executor = executor
     self.config = config
     self.buckets = buckets
@@ -102,7 +101,7 @@ class Engine:
     self.stop_check = make_stop_check(tokenizer, eos_token_ids)
     self.eos_token_ids = tuple(eos_token_ids)
     self.requests: Dict[object, Request] = {}
-    self.steps: List[StepRecord] = []
+    self.steps = StepLog(max_step_records)  # metrics.StepRecord per finished step
     self._next_id = 0
     self._vclock = 0.0
     self._t0 = time.perf_counter()
@@ -267,7 +266,7 @@ class Engine:
   @property
   def num_steps(self) -> int:
     """Steps finished so far (the last record's index + 1; records may be trimmed)."""
-    return self._num_steps
+    return self.steps.count
 
   @property
   def replicas(self) -> list:
@@ -275,34 +274,10 @@ class Engine:
     return [self]
 
   def warmup(self, progress: bool = False, structured: bool = False) -> float:
-    """Compile every shape this configuration can run ahead of time (real executors): the
-    table's buckets, with a drafter also the verify shapes and the drafter's own steps
-    (early-exit draft steps, a draft model's executables). Seconds spent; with the
-    persistent compilation cache a second process mostly reloads them. progress: a
-    progress bar on stderr. structured: also the variants that take a structured-output
-    token mask (and the grammar compiler), so constrained requests never compile either;
-    without it each such variant compiles at its first use."""
-    if self.executor.virtual_clock:
-      return 0.0
-    speculative = self.drafter is not None
-    buckets = list(self.buckets.all_buckets(verify=speculative))
-    t0 = time.perf_counter()
-    if structured and self.tokenizer is not None:
-      self.grammar_compiler()
-    t = time.perf_counter() - t0
-    for masked in ((False, True) if structured else (False,)):
-      shapes = buckets
-      if progress:
-        from tqdm.auto import tqdm
-        shapes = tqdm(buckets, unit="shape", leave=False,
-                      desc="compiling masked bucket shapes" if masked else
-                      "compiling bucket shapes")
-      t += self.executor.warmup(shapes, masked=masked)
-    log.info("warm-up: %d bucket shapes%s in %.1f s", len(buckets),
-             " (plain and masked)" if structured else "", t)
-    if speculative:  # verify shapes above; the drafter's own steps here
-      t += self.drafter.warmup(buckets)
-    return t
+    """Compile every shape this configuration can run ahead of time; seconds spent
+    (runtime/warmup.py)."""
+    from jaxinfer.runtime.warmup import warm_up
+    return warm_up(self, progress, structured)
 
   # --- steps ---------------------------------------------------------------------------------
   def launch(self) -> Optional[InFlight]:
@@ -411,17 +386,7 @@ class Engine:
     emitted = self.scheduler.postprocess(f.plan, sampled, end, self.stop_check)
     if self.speculator is not None:
       self.speculator.observe(f.bucket[0], result.duration_s)
-    n_prefill = sum(s.num_tokens for s in f.plan.seqs if s.is_prefill)
-    drafted = sum(len(s.draft) for s in f.plan.seqs)
-    emitted_n = sum(n for _, n in emitted)
-    self._num_steps += 1
-    self.steps.append(StepRecord(self._num_steps - 1, f.start, end - f.start, len(f.plan.seqs),
-                                 n_prefill, f.plan.num_tokens - n_prefill, f.padded, f.bucket,
-                                 len(f.plan.preempted),
-                                 [(s.request.request_id, s.num_tokens, s.is_prefill)
-                                  for s in f.plan.seqs], f.draft_s, drafted,
-                                 max(emitted_n - len(emitted), 0) if drafted else 0, emitted_n))
-    record = self.steps[-1]
+    record = self.steps.record(f.start, end, f.plan, f.padded, f.bucket, f.draft_s, emitted)
     events = []
     for r, n in emitted:
       for j in range(len(r.output_token_ids) - n, len(r.output_token_ids)):
@@ -429,26 +394,8 @@ class Engine:
         events.append(TokenEvent(r.request_id, r.output_token_ids[j], r.logprobs[j], end,
                                  r.state.done and last, r.finish_reason if last else None))
     record.host_s = f.host_s + time.perf_counter() - t_post
-    self._trim()
+    trim_requests(self.requests, self.max_retained_requests, self.scheduler.forget)
     return self._take_failed() + events
-
-  def _trim(self) -> None:
-    """Drop the oldest step records and finished requests past their caps (amortized:
-    once 10% over, back down to the cap)."""
-    if len(self.steps) > self.max_step_records * 1.1:
-      del self.steps[:len(self.steps) - self.max_step_records]
-    excess = len(self.requests) - self.max_retained_requests
-    if excess <= self.max_retained_requests // 10:
-      return
-    drop = []
-    for rid, r in self.requests.items():  # insertion order: oldest first
-      if len(drop) >= excess:
-        break
-      if r.state.done:
-        drop.append(rid)
-    for rid in drop:
-      del self.requests[rid]
-      self.scheduler.forget(rid)
 
   def _take_failed(self) -> List[TokenEvent]:
     out, self._failed = self._failed, []

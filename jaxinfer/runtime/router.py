@@ -82,7 +82,7 @@ class Router:
     self._rr = itertools.cycle(range(len(self.replicas)))
     self._next_id = 0
     self.steps: List = []  # every replica's step records, in the order they finished
-    self.max_step_records = self.replicas[0].max_step_records
+    self.max_step_records = self.replicas[0].steps.max_records
     self.routed = [0] * len(self.replicas)
 
   # --- requests ------------------------------------------------------------------------------
