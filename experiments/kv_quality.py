@@ -79,7 +79,7 @@ def parse_variant(v: str):
   fmt, _, q = v.partition(":")
   if q not in ("", "kv"):
     raise ValueError(f"variant {v!r}: expected 'format' or 'format:kv'")
-  return fmt, "kv" if q else "native"
+  return fmt, "kv" if q else "compute"
 
 
 def run_retrieval(loaded, variant: str, tasks: List[Task], c, progress=None) -> List[Dict]:

@@ -21,15 +21,15 @@ BACKENDS = ("xla", "reference", "pallas")
 
 class AttentionSpec(NamedTuple):
   """What the model's attention runs: the backend and Q's precision against a quantized
-  KV pool (8.4.4: "native" keeps Q in the compute dtype; "kv" rounds Q through the KV
+  KV pool (8.4.4: "compute" keeps Q in the compute dtype; "kv" rounds Q through the KV
   format's compute path). Hashable, so it is a static argument of the jitted step."""
   backend: str = "xla"
-  q_precision: str = "native"
+  q_precision: str = "compute"
   tp: Optional[object] = None  # sharding.TensorParallel: run per KV-head shard (shard_map)
 
 
 def check_backend(name: Union[str, AttentionSpec],
-                  q_precision: str = "native") -> AttentionSpec:
+                  q_precision: str = "compute") -> AttentionSpec:
   spec = name if isinstance(name, AttentionSpec) else AttentionSpec(name, q_precision)
   if spec.backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {spec.backend!r}; choose one of {BACKENDS}")

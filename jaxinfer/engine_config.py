@@ -48,8 +48,8 @@ class EngineConfig:
       flag_default="scan", from_flag=lambda v: v == "scan")
   kv_format: str = _opt("f32", "KV cache format (8.4.2)", choices=KV_FORMATS)
   q_precision: str = _opt(
-      "native", "Q against a quantized KV pool: compute dtype, or rounded like the KV (8.4.4)",
-      choices=("native", "kv"))
+      "compute", "Q against a quantized KV pool: compute dtype, or rounded like the KV (8.4.4)",
+      choices=("compute", "kv"))
   attention: str = _opt(
       "xla", "attention backend: xla (XLA ops; on CPU the native decode call), reference "
       "(the jnp oracle), pallas (GPU kernels)", choices=ATTENTION)

@@ -225,15 +225,15 @@ def gather_pages(pool, layer, page_table, dtype=jnp.float32):
 
 # --- Q precision (8.4.4: storage format vs compute precision) ----------------------------
 
-Q_PRECISIONS = ("native", "kv")
+Q_PRECISIONS = ("compute", "kv")
 
 
-def round_q(fmt: KVFormat, q, q_precision: str = "native"):
-  """"native": Q stays in the compute dtype (e.g. BF16 Q against FP8 KV, variant (c) of
+def round_q(fmt: KVFormat, q, q_precision: str = "compute"):
+  """"compute": Q stays in the compute dtype (e.g. BF16 Q against FP8 KV, variant (c) of
   8.4.4). "kv": Q is rounded through the KV format's compute path first (FP8 KV with an
   FP8 compute path, variant (b)): fp8 with a per-vector scale, q8_0 / q4_0 groups, bf16.
   q [..., H] float."""
-  if q_precision == "native" or fmt.name == "f32":
+  if q_precision == "compute" or fmt.name == "f32":
     return q
   if q_precision != "kv":
     raise ValueError(f"unknown Q precision {q_precision!r}; choose one of {Q_PRECISIONS}")

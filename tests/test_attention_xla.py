@@ -17,7 +17,7 @@ LONG = [[(300, 1), (0, 1), (129, 1), (64, 1)],  # many blocks; lengths on block 
         [(200, 1), (31, 1), (50, 20)]]
 
 
-def _check(args, reqs, block_pages, q_precision="native"):
+def _check(args, reqs, block_pages, q_precision="compute"):
   n_pre = sum(n > 1 for _, n in reqs)
   Q = max(n for _, n in reqs)
   ref = ref_attention(*args, max_query_len=Q, num_prefill_slots=n_pre,
@@ -58,7 +58,7 @@ def test_padding_slots_and_q_precision():
   rng = np.random.default_rng()
   reqs = [(40, 1), (0, 0), (17, 1), (0, 0)]  # query_len 0: padding slots in the bucket
   args = make_case(rng, "q8_0", 16, 9, 3, 64, reqs)
-  for qp in ("native", "kv"):
+  for qp in ("compute", "kv"):
     _check(args, [r for r in reqs if r[1]], 2, qp)
 
 

@@ -121,11 +121,11 @@ def test_q_precision_reaches_attention(smollm2):
   sp = SamplingParams(max_tokens=3, ignore_eos=True)
   lps = {}
   for fmt in ("f32", "q4_0"):
-    for qp in ("native", "kv"):
+    for qp in ("compute", "kv"):
       llm = LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, kv_format=fmt,
                             q_precision=qp)
       lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
-  assert lps["f32", "native"] == lps["f32", "kv"]
-  assert lps["q4_0", "native"] != lps["q4_0", "kv"]
-  with pytest.raises(ValueError, match=r"q_precision must be one of \('native', 'kv'\), got 'fp4'"):
+  assert lps["f32", "compute"] == lps["f32", "kv"]
+  assert lps["q4_0", "compute"] != lps["q4_0", "kv"]
+  with pytest.raises(ValueError, match=r"q_precision must be one of \('compute', 'kv'\), got 'fp4'"):
     LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, q_precision="fp4")

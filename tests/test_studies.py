@@ -99,7 +99,7 @@ def test_retrieval_tasks_and_grading():
   with pytest.raises(ValueError, match="needs 1000 distinct keys"):
     kv_quality.make_tasks(_OneTokenPerWord(), [1000], 1, seed=0)
   assert kv_quality.parse_variant("fp8:kv") == ("fp8", "kv")
-  assert kv_quality.parse_variant("q4_0") == ("q4_0", "native")
+  assert kv_quality.parse_variant("q4_0") == ("q4_0", "compute")
   with pytest.raises(ValueError, match="'fp8:bf16'"):
     kv_quality.parse_variant("fp8:bf16")
 

@@ -29,7 +29,7 @@ class JaxExecutor:
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int,
                kv_format: str = "f32", backend: str = "xla", offload=None,
-               q_precision: str = "native", overlap_masks: Optional[bool] = None,
+               q_precision: str = "compute", overlap_masks: Optional[bool] = None,
                lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
                lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None,
                devices: Optional[Sequence] = None):

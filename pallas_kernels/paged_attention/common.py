@@ -22,7 +22,7 @@ from pallas_kernels import kv_codec
 
 
 def validate_static(q, k_new, v_new, pool, page_table, query_start, query_len, cached_len, *,
-                    max_query_len, num_prefill_slots, q_precision: str = "native") -> int:
+                    max_query_len, num_prefill_slots, q_precision: str = "compute") -> int:
   """Raise ValueError on a malformed call; returns the number of prefill slots."""
   if q.ndim != 3:
     raise ValueError(f"q must be [T, N, H], got shape {q.shape}")

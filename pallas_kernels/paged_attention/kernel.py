@@ -198,7 +198,7 @@ def _group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cac
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
                            sm_scale=None, pages_per_block: int = 8, num_splits: int = 1,
-                           q_precision: str = "native", interpret=None, num_warps: int = 4,
+                           q_precision: str = "compute", interpret=None, num_warps: int = 4,
                            num_stages: int = 2):
   """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU."""
   for name, v in (("pages_per_block", pages_per_block), ("num_splits", num_splits)):

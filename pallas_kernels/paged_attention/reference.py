@@ -71,7 +71,7 @@ def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_le
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
-                           sm_scale=None, q_precision: str = "native"):
+                           sm_scale=None, q_precision: str = "compute"):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
 
   pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.

@@ -229,7 +229,7 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
-                           sm_scale=None, q_precision: str = "native",
+                           sm_scale=None, q_precision: str = "compute",
                            block_pages=None, native=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py.
   `native`: the decode slots' path (see decode_attention; None = the CPU custom call
