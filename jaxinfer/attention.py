@@ -53,8 +53,13 @@ def write_kv(pool, ks, vs, page, offset, backend: Union[str, AttentionSpec] = "x
 
 
 def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
-                    backend: Union[str, AttentionSpec] = "xla"):
+                    backend: Union[str, AttentionSpec] = "xla", scale=None, window=None,
+                    softcap=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> [T, N, H] float32.
+
+  scale: the scores' scale (None: 1 / sqrt(H)); window: this layer's sliding window (an
+  int32 scalar, may be traced; None: full attention); softcap: scores capped smoothly at
+  +-softcap (static; None: none).
 
   batch: the step's metadata (page_table [R, Pmax], query_start / query_len /
   cached_len [R], all int32). attn_shape = (Q, Rp), static: the last Rp request slots
@@ -69,24 +74,22 @@ def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
     meta = {k: batch[k] for k in ("page_table", "query_start", "query_len", "cached_len")}
     heads = P(None, spec.tp.mesh.axis_names[0])
     local = spec._replace(tp=None)
+    extra = () if window is None else (window,)  # a traced window enters as an argument
     return jax.shard_map(
-        lambda q, k, v, pool, layer, meta: paged_attention(
-            q, k, v, pool, layer, meta, attn_shape=attn_shape, backend=local),
-        mesh=spec.tp.mesh, in_specs=(heads, heads, heads, heads, P(), P()), out_specs=heads,
-        check_vma=False)(q, k_new, v_new, pool, layer, meta)
+        lambda q, k, v, pool, layer, meta, *w: paged_attention(
+            q, k, v, pool, layer, meta, attn_shape=attn_shape, backend=local, scale=scale,
+            window=w[0] if w else None, softcap=softcap),
+        mesh=spec.tp.mesh, in_specs=(heads, heads, heads, heads, P(), P()) + (P(),) * len(extra),
+        out_specs=heads, check_vma=False)(q, k_new, v_new, pool, layer, meta, *extra)
   args = (q, k_new, v_new, pool, layer, batch["page_table"], batch["query_start"],
           batch["query_len"], batch["cached_len"])
+  kw = dict(max_query_len=max_query_len, num_prefill_slots=prefill_slots,
+            q_precision=spec.q_precision, sm_scale=scale, window=window, softcap=softcap)
   if spec.backend == "xla":
-    return xla.ragged_paged_attention(*args, max_query_len=max_query_len,
-                                      num_prefill_slots=prefill_slots,
-                                      q_precision=spec.q_precision)
+    return xla.ragged_paged_attention(*args, **kw)
   if spec.backend == "reference":
-    return reference.ragged_paged_attention(*args, max_query_len=max_query_len,
-                                            num_prefill_slots=prefill_slots,
-                                            q_precision=spec.q_precision)
+    return reference.ragged_paged_attention(*args, **kw)
   if spec.backend == "pallas":
     from pallas_kernels.paged_attention import kernel  # imported lazily: heavier
-    return kernel.ragged_paged_attention(*args, max_query_len=max_query_len,
-                                         num_prefill_slots=prefill_slots,
-                                         q_precision=spec.q_precision)
+    return kernel.ragged_paged_attention(*args, **kw)
   raise ValueError(f"unknown attention backend {spec.backend!r}; choose one of {BACKENDS}")

@@ -12,11 +12,17 @@ import numbers
 from typing import Optional, Tuple
 
 
+FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3")
+ROPE_SCALINGS = ("linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only transformer (Llama / Qwen3 families)."""
+  """A decoder-only transformer. The families differ only in the fields after
+  `qk_norm`, which the model reads at trace time (one transformer for all of them)."""
   name: str
-  family: str  # "llama" | "qwen3"
+  family: str  # one of FAMILIES (the loaders' names; the fields below carry the math)
   vocab_size: int
   hidden_size: int  # D
   intermediate_size: int  # F
@@ -28,13 +34,37 @@ class ModelConfig:
   rms_norm_eps: float
   tie_embeddings: bool
   max_position: int
-  qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+  qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm on q and k
   bos_token_id: Optional[int] = None
   eos_token_ids: Tuple[int, ...] = ()
+  qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+  hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh (Gemma)
+  norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + w)
+  embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+  sandwich_norms: bool = False  # Gemma 2/3: RMSNorm after the attention and MLP outputs too
+  query_scale: Optional[float] = None  # attention scores' scale (None: head_dim ** -0.5)
+  attn_softcap: Optional[float] = None  # Gemma 2: scores capped at +-cap (cap * tanh(s/cap))
+  final_softcap: Optional[float] = None  # Gemma 2: logits capped the same way
+  layer_windows: Tuple[int, ...] = ()  # sliding window per layer (0: full); (): all full
+  rope_local_theta: Optional[float] = None  # Gemma 3: the RoPE base of windowed layers
+  rope_scaling: Tuple = ()  # ("linear", factor) | ("llama3", factor, low_freq_factor,
+  #                            high_freq_factor, original_max_position)
 
   def __post_init__(self):
-    if self.family not in ("llama", "qwen3"):
-      raise ValueError(f"unknown model family {self.family!r}; supported: llama, qwen3")
+    if self.family not in FAMILIES:
+      raise ValueError(f"unknown model family {self.family!r}; supported: {FAMILIES}")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+    if self.layer_windows and len(self.layer_windows) != self.num_layers:
+      raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                       f"{self.num_layers} layers")
+    if any(w < 0 for w in self.layer_windows):
+      raise ValueError(f"layer_windows must be >= 0 (0: full attention), got "
+                       f"{self.layer_windows}")
+    if self.rope_scaling and (self.rope_scaling[0] not in ROPE_SCALINGS or len(
+        self.rope_scaling) != {"linear": 2, "llama3": 5}[self.rope_scaling[0]]):
+      raise ValueError(f"rope_scaling must be ('linear', factor) or ('llama3', factor, low, "
+                       f"high, original_max_position), got {self.rope_scaling!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -59,6 +89,11 @@ class ModelConfig:
   def q_per_kv(self) -> int:
     return self.num_heads // self.num_kv_heads
 
+  @property
+  def windows(self) -> Tuple[int, ...]:
+    """Each layer's sliding window (0: full attention)."""
+    return self.layer_windows or (0,) * self.num_layers
+
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 
@@ -66,9 +101,9 @@ class ModelConfig:
   def layer_param_count(self) -> int:
     d, n, k, h, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                      self.intermediate_size)
-    attn = d * n * h + 2 * d * k * h + n * h * d
+    attn = d * n * h + 2 * d * k * h + n * h * d + ((n + 2 * k) * h if self.qkv_bias else 0)
     mlp = 3 * d * f
-    norms = 2 * d + (2 * h if self.qk_norm else 0)
+    norms = (4 if self.sandwich_norms else 2) * d + (2 * h if self.qk_norm else 0)
     return attn + mlp + norms
 
   def param_count(self) -> int:

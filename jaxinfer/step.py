@@ -137,7 +137,7 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
                                         backend=backend, num_layers=num_layers)
   pool = attention.write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"],
                            backend)
-  logits = transformer.lm_head(params, x[inputs["logits_idx"]])
+  logits = transformer.lm_head(params, x[inputs["logits_idx"]], cfg)
   return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
 
 

@@ -89,7 +89,7 @@ def test_penalties_bias_and_min_tokens_equal_recompute(smollm2, speculative):
   llm = LLM(smollm2, warmup=False, max_num_seqs=8, max_num_batched_tokens=32,
             max_model_len=256, num_pages=256, buckets=one_tier, **kw)
   tok = smollm2.tokenizer
-  eos = tuple(llm.engine._eos_token_ids)
+  eos = tuple(llm.engine.eos_token_ids)
   prompts = ["List the days of the week.", "Repeat after me: la la la la la.",
              "Say yes.", "Count: 1, 2, 3, 4,", "What is the capital of France?"]
   sps = [SamplingParams(max_tokens=24, frequency_penalty=1.2, presence_penalty=0.3),

@@ -54,7 +54,7 @@ def distill_loss(params, teacher_logp, tokens, meta, pool, cfg, attn_shape):
   # data-dependent trip count, which reverse mode cannot go through).
   x, _, _ = transformer.hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                                       backend="reference")
-  logp = jax.nn.log_softmax(transformer.lm_head(params, x), axis=-1)  # [B*T, V]
+  logp = jax.nn.log_softmax(transformer.lm_head(params, x, cfg), axis=-1)  # [B*T, V]
   return jnp.mean(jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logp), axis=-1))
 
 
@@ -69,7 +69,8 @@ def train(target, student_cfg, data, *, seq_len, batch, steps, lr, seed, log_eve
   s_pool = allocate_pool(student_cfg, "f32", num_pages, 16)
   teacher = jax.jit(lambda tok: jax.nn.log_softmax(transformer.lm_head(
       target.params, transformer.hidden_states(target.params, t_pool, dict(meta, token_ids=tok),
-                                               target.cfg, attn_shape=attn_shape)[0]), axis=-1))
+                                               target.cfg, attn_shape=attn_shape)[0],
+      target.cfg), axis=-1))
   params = init_params(student_cfg, jax.random.key(seed))
   if student_cfg.hidden_size == target.cfg.hidden_size:  # same vocabulary and width
     params["embed"] = jnp.asarray(target.params["embed"])

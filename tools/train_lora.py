@@ -91,7 +91,7 @@ def train(model, examples, *, targets, rank: int, alpha: float, batch: int, step
             for t in targets}
     x, _, _ = transformer.hidden_states(params, pool, dict(meta, token_ids=tok, lora=lora),
                                         cfg, attn_shape=attn_shape, backend="reference")
-    logp = jax.nn.log_softmax(transformer.lm_head(params, x), axis=-1)
+    logp = jax.nn.log_softmax(transformer.lm_head(params, x, cfg), axis=-1)
     nll = -jnp.take_along_axis(logp, tgt[:, None], axis=-1)[:, 0]
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 

@@ -22,7 +22,6 @@ import numpy as np
 from jaxinfer.step import sample_packed
 from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
 from jaxinfer.kv import write_tokens
-from jaxinfer.model import layers as L
 from jaxinfer.model import transformer
 from jaxinfer.model.params import unstack_layers
 
@@ -40,19 +39,20 @@ def _host_put(x):
 
 
 def _embed(params, batch, cfg):
-  x = params["embed"][batch["token_ids"]]
-  return x, L.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
+  return transformer.embed(params, batch["token_ids"], cfg)
 
 
-def _one_layer(x, p, i, rope, pool, batch, cfg, attn_shape, backend):
-  return transformer.layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+def _one_layer(x, p, i, pool, batch, cfg, attn_shape, backend):
+  rope_for, window_for = transformer.layer_extras(cfg, batch["positions"])
+  return transformer.layer(x, p, i, cfg, rope_for(i), pool, batch, attn_shape, backend,
+                           window_for(i))
 
 
 def _head(params, pool, batch, x, ks, vs, cfg):
-  x = L.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  x = transformer.final_norm(params, x, cfg)
   pool = write_tokens(pool, jnp.stack(ks), jnp.stack(vs), batch["write_page"],
                       batch["write_offset"])
-  logits = transformer.lm_head(params, x[batch["logits_idx"]])
+  logits = transformer.lm_head(params, x[batch["logits_idx"]], cfg)
   return sample_packed(logits, batch), pool
 
 
@@ -91,7 +91,7 @@ class LayerStreamer:
   def forward(self, pool, arrays, attn_shape, backend):
     """One step through every layer (offloaded FFN sets streamed in): (packed rows, pool)."""
     cfg = self.cfg
-    x, rope = _embed_jit(self.top, arrays, cfg=cfg)
+    x = _embed_jit(self.top, arrays, cfg=cfg)
     order = [i for i in range(cfg.num_layers) if i in self.host]
     buffers = collections.OrderedDict()  # layer -> FFN weights on the device
     nxt = 0
@@ -103,7 +103,7 @@ class LayerStreamer:
           buffers[order[nxt]] = self._fetch(order[nxt])
           nxt += 1
         p = dict(p, **buffers[i])
-      x, k, v = _layer_jit(x, p, jnp.int32(i), rope, pool, arrays, cfg=cfg,
+      x, k, v = _layer_jit(x, p, jnp.int32(i), pool, arrays, cfg=cfg,
                            attn_shape=attn_shape, backend=backend)
       if i in self.host:
         del buffers[i]  # the buffer frees once its layer is dispatched

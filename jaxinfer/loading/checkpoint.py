@@ -63,7 +63,8 @@ def is_checkpoint(path: str) -> bool:
 def load_checkpoint_config(path: str) -> ModelConfig:
   with open(os.path.join(path, "model_config.json")) as f:
     d = json.load(f)
-  d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+  for k in ("eos_token_ids", "layer_windows", "rope_scaling"):  # JSON lists -> tuples
+    d[k] = tuple(d.get(k, ()))
   return ModelConfig(**d)
 
 

@@ -1,4 +1,5 @@
-"""HF safetensors directories (Llama and Qwen3 tensor names) -> params and ModelConfig."""
+"""HF safetensors directories (config.json + weights) of every family in ModelConfig ->
+params and ModelConfig: each family's config fields and tensor names mapped here."""
 from __future__ import annotations
 
 import glob
@@ -10,15 +11,44 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.errors import ModelLoadError
 
-_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+          "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+          "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+          "Gemma3ForCausalLM": "gemma3"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
     "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
     "self_attn.o_proj.weight": "wo", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down", "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.k_norm.weight": "k_norm", "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    # Phi-3 keeps q, k, v and gate, up side by side (split at load: _split_fused)
+    "self_attn.qkv_proj.weight": "wq+wk+wv", "mlp.gate_up_proj.weight": "w_gate+w_up",
 }
+# Gemma 2/3 norm the attention and MLP outputs too: their post_attention_layernorm is the
+# attention output's, pre_feedforward_layernorm the MLP input's
+_SANDWICH_NAMES = dict(_LAYER_NAMES, **{
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm",
+    "post_feedforward_layernorm.weight": "post_mlp_norm"})
+
+
+def _rope(params: dict | None, where: str):
+  """(theta, scaling tuple) from an HF rope_parameters / rope_scaling dict."""
+  params = params or {}
+  kind = params.get("rope_type", params.get("type", "default"))
+  theta = params.get("rope_theta")
+  if kind == "default":
+    return theta, ()
+  if kind == "linear":
+    return theta, ("linear", float(params["factor"]))
+  if kind == "llama3":
+    return theta, ("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                   float(params["high_freq_factor"]),
+                   float(params["original_max_position_embeddings"]))
+  raise ModelLoadError(f"RoPE type {kind!r} in {where} is not supported; supported: "
+                       "default, linear, llama3")
 
 
 def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
@@ -32,22 +62,64 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
   if family is None:
     raise ModelLoadError(
         f"architecture {archs} in {f!r} is not supported; supported: {sorted(_ARCHS)}")
-  theta = c.get("rope_theta")
-  if theta is None:
-    theta = (c.get("rope_parameters") or c.get("rope_scaling") or {}).get("rope_theta", 10000.0)
+  rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+  local_theta = None
+  if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
+    local_theta = _rope(rope.get("sliding_attention"), f)[0]
+    rope = rope["full_attention"]
+  theta, scaling = _rope(rope, f)
+  theta = c.get("rope_theta") or theta or 10000.0
+  if family == "gemma3" and local_theta is None:
+    local_theta = c.get("rope_local_base_freq", 10000.0)
+  if c.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ModelLoadError(f"partial_rotary_factor={c['partial_rotary_factor']} in {f!r} is not "
+                         "supported (RoPE over the whole head only)")
+  L = c["num_hidden_layers"]
+  window = c.get("sliding_window") or 0
+  if family == "qwen2" and not c.get("use_sliding_window", False):
+    window = 0
+  types = c.get("layer_types")
+  if types and window:
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+  else:
+    windows = (window,) * L if window else ()
+  gemma = family in ("gemma2", "gemma3")
   N = c["num_attention_heads"]
   eos = c.get("eos_token_id")
   eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+  act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+  acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+  if act not in acts:
+    raise ModelLoadError(f"activation {act!r} in {f!r} is not supported; supported: "
+                         f"{sorted(acts)}")
+  qpas = c.get("query_pre_attn_scalar")
   return ModelConfig(
       name=name or os.path.basename(os.path.normpath(path)), family=family,
       vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-      intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+      intermediate_size=c["intermediate_size"], num_layers=L,
       num_heads=N, num_kv_heads=c.get("num_key_value_heads", N),
       head_dim=c.get("head_dim") or c["hidden_size"] // N, rope_theta=float(theta),
       rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-      tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-      max_position=c.get("max_position_embeddings", 4096), qk_norm=family == "qwen3",
-      bos_token_id=c.get("bos_token_id"), eos_token_ids=eos)
+      tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+      max_position=c.get("max_position_embeddings", 4096),
+      qk_norm=family in ("qwen3", "gemma3"), bos_token_id=c.get("bos_token_id"),
+      eos_token_ids=eos, qkv_bias=family == "qwen2", hidden_act=acts[act],
+      norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
+      query_scale=float(qpas) ** -0.5 if gemma and qpas else None,
+      attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
+      final_softcap=c.get("final_logit_softcapping") if gemma else None,
+      layer_windows=windows, rope_local_theta=local_theta, rope_scaling=scaling)
+
+
+def _split_fused(layer: dict, cfg: ModelConfig) -> None:
+  """Phi-3's fused matrices ([in, out] after the transpose) into the model's names."""
+  NH, KH, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+      cfg.intermediate_size
+  for key, sizes in (("wq+wk+wv", (NH, KH, KH)), ("w_gate+w_up", (F, F))):
+    if key in layer:
+      w = layer.pop(key)
+      parts = np.split(w, np.cumsum(sizes)[:-1], axis=-1)
+      layer.update(zip(key.split("+"), parts))
 
 
 def load_safetensors_dir(path: str, name: str | None = None):
@@ -59,6 +131,7 @@ def load_safetensors_dir(path: str, name: str | None = None):
     raise ModelLoadError(f"no *.safetensors files in {path!r}")
   layers = [dict() for _ in range(cfg.num_layers)]
   params = {"layers": layers}
+  names = _SANDWICH_NAMES if cfg.sandwich_norms else _LAYER_NAMES
   for fname in files:
     try:
       tensors = load_file(fname)
@@ -69,15 +142,17 @@ def load_safetensors_dir(path: str, name: str | None = None):
       if key.startswith("model.layers."):
         rest = key[len("model.layers."):]
         i, sub = rest.split(".", 1)
-        if sub not in _LAYER_NAMES:
+        if sub not in names:
           continue
-        layers[int(i)][_LAYER_NAMES[sub]] = w.T if w.ndim == 2 else w
+        layers[int(i)][names[sub]] = w.T if w.ndim == 2 else w
       elif key == "model.embed_tokens.weight":
         params["embed"] = w
       elif key == "model.norm.weight":
         params["final_norm"] = w
       elif key == "lm_head.weight" and not cfg.tie_embeddings:
         params["lm_head"] = w.T
+  for layer in layers:
+    _split_fused(layer, cfg)
   if "embed" not in params or "final_norm" not in params:
     raise ModelLoadError(f"{path!r} lacks model.embed_tokens.weight or model.norm.weight")
   return params, cfg

@@ -14,15 +14,35 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.linear import linear, linear_group
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, offset: float = 0.0):
+  """RMSNorm scaling by (offset + w): offset 1 in Gemma's form."""
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (y * w.astype(jnp.float32)).astype(x.dtype)
+  return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_tables(positions, head_dim: int, theta: float):
+def rope_frequencies(head_dim: int, theta: float, scaling=()):
+  """RoPE's inverse frequencies [H/2], with the config's scaling: ("linear", factor)
+  divides them by the factor; ("llama3", factor, low, high, original_max_position) divides
+  the low frequencies (wavelength above original / low) by the factor, keeps the high
+  ones (below original / high) and blends those between (Llama 3.1)."""
+  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if not scaling:
+    return inv
+  if scaling[0] == "linear":
+    return inv / scaling[1]
+  _, factor, low, high, original = scaling
+  wavelen = 2 * jnp.pi / inv
+  scaled = jnp.where(wavelen > original / low, inv / factor, inv)
+  smooth = (original / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= original / high) & (wavelen <= original / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling=()):
   """cos, sin [T, H/2] for absolute positions [T] (HF "rotate half" convention)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  inv_freq = rope_frequencies(head_dim, theta, scaling)
   ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
   return jnp.cos(ang), jnp.sin(ang)
 
@@ -36,28 +56,37 @@ def apply_rope(x, cos, sin):
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def mlp(x, p):
+def activation(x, name: str):
+  return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
+
+
+def mlp(x, p, cfg: ModelConfig):
   with jax.named_scope("mlp"):
     g, u = linear_group(x, p, ("w_gate", "w_up"))  # [T, F] each
-    return linear((jax.nn.silu(g) * u).astype(x.dtype), p["w_down"]).astype(x.dtype)
+    h = (activation(g, cfg.hidden_act) * u).astype(x.dtype)
+    return linear(h, p["w_down"]).astype(x.dtype)
 
 
 def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_shape,
-                    backend):
-  """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens."""
+                    backend, window=None):
+  """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens.
+  window: this layer's sliding window (None: full attention)."""
   T = x.shape[0]
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   with jax.named_scope("qkv"):
     q, k, v = (y.astype(x.dtype) for y in linear_group(x, p, ("wq", "wk", "wv")))
+    if cfg.qkv_bias:  # Qwen2
+      q, k, v = (y + p[b].astype(x.dtype) for y, b in ((q, "bq"), (k, "bk"), (v, "bv")))
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
-  if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
   cos, sin = rope
   q = apply_rope(q, cos, sin)
   k = apply_rope(k, cos, sin)
   with jax.named_scope("attention"):
     o = attention.paged_attention(q, k, v, pool, layer, batch, attn_shape=attn_shape,
-                                  backend=backend)  # [T, N, H] f32
+                                  backend=backend, scale=cfg.query_scale, window=window,
+                                  softcap=cfg.attn_softcap)  # [T, N, H] f32
   out = linear(o.astype(x.dtype).reshape(T, N * H), p["wo"]).astype(x.dtype)
   return out, k, v

@@ -36,6 +36,13 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
       "w_up": WeightSpec((D, F), ("embed", "mlp")),
       "w_down": WeightSpec((F, D), ("mlp", "embed")),
   }
+  if cfg.qkv_bias:
+    specs["bq"] = WeightSpec((N * H,), ("q_heads",))
+    specs["bk"] = WeightSpec((K * H,), ("kv_heads",))
+    specs["bv"] = WeightSpec((K * H,), ("kv_heads",))
+  if cfg.sandwich_norms:  # after the attention output, and after the MLP output
+    specs["post_attn_norm"] = WeightSpec((D,), ("embed",), "ones")
+    specs["post_mlp_norm"] = WeightSpec((D,), ("embed",), "ones")
   if cfg.qk_norm:
     specs["q_norm"] = WeightSpec((H,), ("head_dim",), "ones")
     specs["k_norm"] = WeightSpec((H,), ("head_dim",), "ones")

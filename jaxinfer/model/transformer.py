@@ -1,4 +1,4 @@
-"""forward(params, pool, batch, cfg) -> (logits, pool) for the Llama and Qwen3 families.
+"""forward(params, pool, batch, cfg) -> (logits, pool) for every family of ModelConfig.
 
 One step processes a packed, ragged set of new tokens (prefill chunks and decode
 tokens of many requests). Each layer attends to the request's cached pages plus the
@@ -15,14 +15,44 @@ from jaxinfer.attention import write_kv
 from jaxinfer.model import layers, linear
 
 
-def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend):
-  """One decoder layer."""
-  h, k, v = layers.attention_block(
-      layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, cfg, rope, pool, layer, batch,
-      attn_shape=attn_shape, backend=backend)
+def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None):
+  """One decoder layer (window: its sliding window, None for full attention)."""
+  norm = lambda y, w: layers.rms_norm(y, p[w], cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+  h, k, v = layers.attention_block(norm(x, "attn_norm"), p, cfg, rope, pool, layer, batch,
+                                   attn_shape=attn_shape, backend=backend, window=window)
+  if cfg.sandwich_norms:  # Gemma 2/3: the attention and MLP outputs are normed too
+    h = norm(h, "post_attn_norm")
   x = x + h
-  x = x + layers.mlp(layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
-  return x, k, v
+  h = layers.mlp(norm(x, "mlp_norm"), p, cfg)
+  if cfg.sandwich_norms:
+    h = norm(h, "post_mlp_norm")
+  return x + h, k, v
+
+
+# A window no context reaches: full attention in a layer scan that mixes both kinds.
+_NO_WINDOW = 1 << 30
+
+
+def layer_extras(cfg: ModelConfig, positions):
+  """(rope_for(i), window_for(i)): each layer's RoPE tables and sliding window, for a
+  static or a traced layer index. Layers differ only where the config says so (Gemma's
+  windowed layers, with their own RoPE base in Gemma 3)."""
+  rope = layers.rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  windows = cfg.windows
+  if not any(windows):
+    return (lambda i: rope), (lambda i: None)
+  local = rope
+  if cfg.rope_local_theta is not None:
+    local = layers.rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+  w = jnp.asarray([x or _NO_WINDOW for x in windows], jnp.int32)
+  is_local = jnp.asarray([x > 0 for x in windows])
+
+  def rope_for(i):
+    if isinstance(i, int):
+      return local if windows[i] else rope
+    return tuple(jnp.where(is_local[i], a, b) for a, b in zip(local, rope))
+
+  return rope_for, (lambda i: (windows[i] or None) if isinstance(i, int) else w[i])
 
 
 def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
@@ -35,8 +65,8 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   and b [L, S, r, out], with the per-token index arrays of jaxinfer.lora.ops; each
   adapted weight is wrapped in linear.Adapted for its layer.
   """
-  x = params["embed"][batch["token_ids"]].astype(linear.activation_dtype(params))  # [T, D]
-  rope = layers.rope_tables(batch["positions"], cfg.head_dim, cfg.rope_theta)
+  x = embed(params, batch["token_ids"], cfg)  # [T, D]
+  rope_for, window_for = layer_extras(cfg, batch["positions"])
   L = cfg.num_layers if num_layers is None else num_layers
   lora = batch.get("lora")
   index = {k: a for k, a in batch.items() if k.startswith("lora_")}
@@ -46,7 +76,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
     # slice of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
     if lora is not None:
       p = linear.with_adapters(p, lora, i, index)
-    return layer(x, p, i, cfg, rope, pool, batch, attn_shape, backend)
+    return layer(x, p, i, cfg, rope_for(i), pool, batch, attn_shape, backend, window_for(i))
 
   # each weight in the form that serves this step's rows (static), before the scan: the
   # forms it does not use are then no scanned input
@@ -77,15 +107,30 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
       ks.append(k)
       vs.append(v)
     ks, vs = jnp.stack(ks), jnp.stack(vs)
-  x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  return x, ks, vs
+  return final_norm(params, x, cfg), ks, vs
 
 
-def lm_head(params, x):
-  """x [S, D] -> logits [S, V] float32 (the tied embedding where the model has no head)."""
+def embed(params, token_ids, cfg: ModelConfig):
+  """The tokens' embeddings [T, D] in the activations' dtype."""
+  x = params["embed"][token_ids].astype(linear.activation_dtype(params))
+  if cfg.embed_scale:  # Gemma: sqrt(D), rounded to the activations' dtype as HF does
+    x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+  return x
+
+
+def final_norm(params, x, cfg: ModelConfig):
+  return layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def lm_head(params, x, cfg: ModelConfig):
+  """x [S, D] -> logits [S, V] float32 (the tied embedding where the model has no head;
+  Gemma 2's final soft cap)."""
   head = params.get("lm_head")
   head = linear.Dense(params["embed"], transposed=True) if head is None else head
-  return linear.linear(x, linear.for_rows(head, x.shape[0])).astype(jnp.float32)
+  logits = linear.linear(x, linear.for_rows(head, x.shape[0])).astype(jnp.float32)
+  if cfg.final_softcap is not None:
+    logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+  return logits
 
 
 def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
@@ -94,5 +139,5 @@ def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   x, ks, vs = hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                             backend=backend)
   pool = write_kv(pool, ks, vs, batch["write_page"], batch["write_offset"], backend)
-  logits = lm_head(params, x[batch["logits_idx"]])
+  logits = lm_head(params, x[batch["logits_idx"]], cfg)
   return logits, pool

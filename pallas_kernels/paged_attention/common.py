@@ -120,6 +120,19 @@ def run_groups(q, k_new, v_new, pool, page_table, query_start, query_len, cached
   return out
 
 
+def in_window(key_pos, query_pos, window):
+  """Whether a key at `key_pos` is among the last `window` positions up to a query at
+  `query_pos` (sliding-window attention: key > query - window); window None: always."""
+  if window is None:
+    return True
+  return key_pos > query_pos - window
+
+
+def soft_cap(s, cap: Optional[float]):
+  """Attention scores capped smoothly at +-cap (Gemma 2: cap * tanh(s / cap))."""
+  return s if cap is None else cap * jnp.tanh(s / cap)
+
+
 def place_rows(out, rows, flat):
   """out [T, N, H] with token flat[r, j] taking rows[r, j] (flat = T: no token), where
   each row r of `flat` is a run of consecutive tokens (query_start + j for j < its

@@ -199,8 +199,14 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
                            sm_scale=None, pages_per_block: int = 8, num_splits: int = 1,
                            q_precision: str = "compute", interpret=None, num_warps: int = 4,
-                           num_stages: int = 2):
-  """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU."""
+                           num_stages: int = 2, window=None, softcap=None):
+  """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU.
+  Sliding windows and score caps are not in this kernel: such models run the xla or
+  reference backend."""
+  if window is not None or softcap is not None:
+    raise ValueError("the pallas attention backend has no sliding window or score cap "
+                     f"(window={window!r}, softcap={softcap!r}): use attention='xla' or "
+                     "'reference' for this model")
   for name, v in (("pages_per_block", pages_per_block), ("num_splits", num_splits)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -38,8 +38,9 @@ def gather_queries(q, k_new, v_new, query_start, query_len, Q, scale):
 
 
 def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
-            scale):
+                 scale, window=None, softcap=None):
   """Attention for a group of request slots that each hold up to Q new tokens.
+  window (an int32 scalar, may be traced) / softcap (static): common.in_window, soft_cap.
   Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
   T, N, H = q.shape
   R = page_table.shape[0]
@@ -51,10 +52,14 @@ def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_le
   cvalid = jnp.arange(S, dtype=jnp.int32)[None, :] < cached_len[:, None]  # [R, S]
   vc = jnp.where(cvalid[None, :, :, None], vc, 0.0)  # stale pages may hold NaN
 
-  s_c = jnp.einsum("krqgh,krsh->krqgs", qr, kc)  # [K, R, Q, G, S]
-  s_n = jnp.einsum("krqgh,krjh->krqgj", qr, kn)  # [K, R, Q, G, Q]
-  m_c = cvalid[None, :, None, None, :]
-  m_n = (qpos[None, :, None] >= qpos[None, None, :]) & qvalid[:, None, :]  # [R, Q, Q]
+  s_c = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qr, kc), softcap)  # [K, R, Q, G, S]
+  s_n = common.soft_cap(jnp.einsum("krqgh,krjh->krqgj", qr, kn), softcap)  # [K, R, Q, G, Q]
+  qabs = cached_len[:, None] + qpos[None, :]  # [R, Q] each query's position
+  spos = jnp.arange(S, dtype=jnp.int32)
+  m_c = cvalid[:, None, :] & common.in_window(spos[None, None, :], qabs[:, :, None], window)
+  m_c = m_c[None, :, :, None, :]  # [1, R, Q, 1, S]
+  m_n = ((qpos[None, :, None] >= qpos[None, None, :]) & qvalid[:, None, :]
+         & common.in_window(qpos[None, None, :], qpos[None, :, None], window))  # [R, Q, Q]
   m_n = m_n[None, :, :, None, :]
   s_c = jnp.where(m_c, s_c, _NEG)
   s_n = jnp.where(m_n, s_n, _NEG)
@@ -71,19 +76,22 @@ def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_le
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
-                           sm_scale=None, q_precision: str = "compute"):
+                           sm_scale=None, q_precision: str = "compute", window=None,
+                           softcap=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] (float32 accumulation).
 
   pool: KV pool pytree (pallas_kernels.kv_codec layout), read at `layer`.
   page_table [R, Pmax] int32; query_start, query_len, cached_len [R] int32.
   The last `num_prefill_slots` slots hold up to max_query_len new tokens each, the
   others at most one (None: every slot may hold max_query_len). Tokens not covered by
-  any request (padding) get zeros. q_precision: see kv_codec.round_q (8.4.4).
+  any request (padding) get zeros. q_precision: see kv_codec.round_q (8.4.4). window:
+  sliding-window attention over the last `window` positions (an int32 scalar, may be
+  traced; None: all); softcap: scores capped at +-softcap (common.soft_cap).
   Inputs are checked first (common.validate_static / validate_values).
   """
 
   def group(qr, scale, Q, meta):
-    return attend_group(qr, k_new, v_new, pool, layer, *meta, Q, scale)
+    return attend_group(qr, k_new, v_new, pool, layer, *meta, Q, scale, window, softcap)
 
   return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
                            cached_len, max_query_len=max_query_len,

@@ -108,13 +108,16 @@ def native_decode_supported(q_shape, num_kv_heads, page_size) -> bool:
 
 
 def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, scale,
-                     block_pages=None, native=None):
+                     block_pages=None, native=None, window=None, softcap=None):
   """One new token per slot. q [R, N, H], k_new / v_new [R, K, H] (the slot's own token,
   attended after its cached_len [R] cached tokens), page_table [R, P] -> [R, N, H] f32.
 
   On CPU this runs the native custom call (`cpu_native`: the pages read in place, once)
   when it is built and handles the shapes; `native=False` forces the XLA-op path below,
-  which every other platform runs."""
+  which every other platform runs, as do layers with a sliding window or a score cap
+  (window, softcap: see reference.ragged_paged_attention)."""
+  if window is not None or softcap is not None:
+    native = False
   if native is None:  # (nothing is built where the default backend is an accelerator)
     native = jax.default_backend() == "cpu" and cpu_native.available()
   elif native and not cpu_native.available():
@@ -140,7 +143,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
   kn = k_new.astype(cdt).transpose(1, 0, 2)  # [K, R, H]
   vn = v_new.astype(cdt).transpose(1, 0, 2)
   # The slot's own token starts the online softmax: m = its score, l = 1, o = its V.
-  m = jnp.einsum("krgh,krh->krg", qr, kn)  # [K, R, G]
+  m = common.soft_cap(jnp.einsum("krgh,krh->krg", qr, kn), softcap)  # [K, R, G]
   l = jnp.ones_like(m)
   o = jnp.broadcast_to(vn[:, :, None, :], (K, R, G, H))
 
@@ -154,7 +157,9 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
     pages = jax.lax.dynamic_slice_in_dim(pt, b * B, B, axis=1)  # [R, B]
     kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
     pos = b * block + jnp.arange(block, dtype=jnp.int32)
-    valid = (pos[None, :] < cached_len[:, None])[None, :, :, None]  # [1, R, block, 1]
+    valid = ((pos[None, :] < cached_len[:, None])  # the new token sits at cached_len
+             & common.in_window(pos[None, :], cached_len[:, None], window))
+    valid = valid[None, :, :, None]  # [1, R, block, 1]
     # Multiply-and-reduce, not a dot, past two slots: XLA:CPU fuses the page gather into
     # the reduction (no gathered copy is written), and a G-row dot per (head, request) is
     # slow there.
@@ -162,7 +167,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
       s = jnp.einsum("krgh,krsh->krsg", qr, kc)
     else:
       s = jnp.sum(kc[:, :, :, None, :] * qr[:, :, None, :, :], axis=-1)  # [K, R, block, G]
-    s = jnp.where(valid, s, _NEG)
+    s = jnp.where(valid, common.soft_cap(s, softcap), _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=2))
     p = jnp.where(valid, jnp.exp(s - m_new[:, :, None, :]), 0.0)
     alpha = jnp.exp(m - m_new)
@@ -179,7 +184,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
 
 
 def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
-                      cached_len, Q, scale, block_pages=None):
+                      cached_len, Q, scale, block_pages=None, window=None, softcap=None):
   """Slots of up to Q new tokens each (as reference.attend_group): the new tokens
   causally, then the cached pages in blocks up to the longest real context.
   Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
@@ -193,8 +198,10 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
                                                       query_len, Q, scale)
 
   # The slot's own new tokens, causally: they start the online softmax.
-  s_n = jnp.einsum("krqgh,krjh->krqgj", qr, kn)  # [K, R, Q, G, Q]
-  m_n = ((qpos[:, None] >= qpos[None, :])[None] & qvalid[:, None, :])[None, :, :, None, :]
+  s_n = common.soft_cap(jnp.einsum("krqgh,krjh->krqgj", qr, kn), softcap)  # [K, R, Q, G, Q]
+  causal = (qpos[:, None] >= qpos[None, :]) & common.in_window(qpos[None, :], qpos[:, None],
+                                                                window)
+  m_n = (causal[None] & qvalid[:, None, :])[None, :, :, None, :]
   s_n = jnp.where(m_n, s_n, _NEG)
   m = jnp.max(s_n, axis=-1)  # [K, R, Q, G]
   p_n = jnp.where(m_n, jnp.exp(s_n - m[..., None]), 0.0)
@@ -210,13 +217,16 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
     pages = jax.lax.dynamic_slice_in_dim(pt, b * B, B, axis=1)  # [R, B]
     kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
     pos = b * block + jnp.arange(block, dtype=jnp.int32)
-    valid = (pos[None, :] < cached_len[:, None])[None, :, None, None, :]  # [1,R,1,1,block]
-    s = jnp.einsum("krqgh,krsh->krqgs", qr, kc)
+    cached = pos[None, :] < cached_len[:, None]  # [R, block]
+    qabs = cached_len[:, None] + qpos[None, :]  # [R, Q]
+    valid = cached[:, None, :] & common.in_window(pos[None, None, :], qabs[:, :, None], window)
+    valid = jnp.broadcast_to(valid, (R, Q, block))[None, :, :, None, :]  # [1, R, Q, 1, block]
+    s = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qr, kc), softcap)
     s = jnp.where(valid, s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    vc = jnp.where(valid[:, :, 0, 0, :, None], vc, 0.0)  # stale pages may hold NaN
+    vc = jnp.where(cached[None, :, :, None], vc, 0.0)  # stale pages may hold NaN
     pv = jnp.einsum("krqgs,krsh->krqgh", p, vc)
     return m_new, l * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
 
@@ -230,7 +240,7 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                            cached_len, *, max_query_len: int, num_prefill_slots=None,
                            sm_scale=None, q_precision: str = "compute",
-                           block_pages=None, native=None):
+                           block_pages=None, native=None, window=None, softcap=None):
   """q [T, N, H], k_new/v_new [T, K, H] -> out [T, N, H] float32; see reference.py.
   `native`: the decode slots' path (see decode_attention; None = the CPU custom call
   when it is available)."""
@@ -241,10 +251,11 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
     if Q == 1:  # decode slots: one new token each
       qi = jnp.clip(qs, 0, T - 1)
       o = decode_attention(qr[qi], k_new[qi], v_new[qi], pool, layer, pt, cl, scale=scale,
-                           block_pages=block_pages, native=native)
+                           block_pages=block_pages, native=native, window=window,
+                           softcap=softcap)
       return o[:, None], jnp.where(ql == 1, qs, T)[:, None]  # T = dropped
     return prefill_attention(qr, k_new, v_new, pool, layer, pt, qs, ql, cl, Q, scale,
-                             block_pages=block_pages)
+                             block_pages=block_pages, window=window, softcap=softcap)
 
   return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
                            cached_len, max_query_len=max_query_len,

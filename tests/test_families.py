@@ -1,0 +1,197 @@
+"""Every model family against HF transformers itself, without downloads: a small random
+model built with transformers' own config class, saved with save_pretrained, loaded by
+jaxinfer; f32 logits over a prompt longer than the family's sliding window, and greedy
+tokens through the engine's chunked path (by default), its prefix-hit, preempted and
+speculative paths (slow)."""
+import numpy as np
+import pytest
+
+from helpers import full_logits
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+
+pytestmark = pytest.importorskip("transformers") and []
+
+WINDOW = 16
+PROMPT_LEN = 40  # longer than the window: windowed layers must drop the oldest tokens
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _families():
+  import transformers as t
+  return {
+      "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {}),
+      "llama3": (t.LlamaConfig, t.LlamaForCausalLM, dict(rope_parameters={
+          "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64})),
+      "llama_linear": (t.LlamaConfig, t.LlamaForCausalLM, dict(rope_parameters={
+          "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+      "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=WINDOW)),
+      "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(pad_token_id=0)),
+      "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, dict(
+          sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=0.1,
+          final_logit_softcapping=3.0, tie_word_embeddings=True)),
+      "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, dict(
+          sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+  }
+
+
+# By default the families whose math differs most (biases; sliding windows; soft caps,
+# sandwich norms, offset norms, scaled embeddings, per-layer RoPE bases); the rest run in
+# the slow suite, and their one difference from Llama is checked below without a compile.
+FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3",
+            pytest.param("llama3", marks=pytest.mark.slow),
+            pytest.param("llama_linear", marks=pytest.mark.slow),
+            pytest.param("phi3", marks=pytest.mark.slow)]
+_BUILT = {}
+
+
+def _hf_dir(name, tmp_path_factory):
+  """(directory, HF model) of a small random model of `name`, built once per run."""
+  if name in _BUILT:
+    return _BUILT[name]
+  import torch
+  conf_cls, model_cls, extra = _families()[name]
+  torch.manual_seed(0)
+  conf = conf_cls(**dict(COMMON, **extra))
+  conf._attn_implementation = "eager"  # Gemma 2's soft cap needs HF's eager attention
+  model = model_cls(conf).eval()
+  with torch.no_grad():  # non-trivial norms and biases, so a missed one shows
+    for n, p in model.named_parameters():
+      if "norm" in n or n.endswith("bias"):
+        p.add_(0.2 * torch.randn_like(p))
+  d = str(tmp_path_factory.mktemp(name))
+  model.save_pretrained(d, safe_serialization=True)
+  _BUILT[name] = (d, model)
+  return _BUILT[name]
+
+
+def _prompt(seed=0, n=PROMPT_LEN):
+  return [int(i) for i in np.random.default_rng(seed).integers(1, 512, n)]
+
+
+def _hf_greedy(model, ids, n):
+  import torch
+  with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+  return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_logits_and_chunked_greedy_match_hf(name, tmp_path_factory):
+  """f32 logits within 1e-4 (relative to the logits' scale) of HF's at every position of a
+  40-token prompt, and 16 greedy tokens through chunks of 16 equal HF's generate."""
+  import torch
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  d, hf = _hf_dir(name, tmp_path_factory)
+  m = load_model(d, "float32")
+  ids = _prompt()
+  ours = full_logits(m.cfg, m.params, ids)
+  with torch.no_grad():
+    ref = hf(torch.tensor([ids])).logits[0].numpy()
+  err = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+  assert err < 1e-4, (name, err)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(2,), page_table_sizes=(8,))
+  llm = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table)
+  out = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+  assert out.token_ids == _hf_greedy(hf, ids, 16), name
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama_linear"])
+def test_rope_scaling_frequencies_equal_hf(name):
+  """Llama 3.1's and linear RoPE scaling: the inverse frequencies jaxinfer computes from
+  the loaded config equal HF's own (its rope init functions)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from jaxinfer.loading.safetensors_loader import _rope
+  from jaxinfer.model.layers import rope_frequencies
+  conf_cls, _, extra = _families()[name]
+  conf = conf_cls(**dict(COMMON, **extra))
+  kind = conf.rope_parameters["rope_type"]
+  want, _ = ROPE_INIT_FUNCTIONS[kind](conf, "cpu")
+  theta, scaling = _rope(conf.rope_parameters, name)
+  assert scaling[0] == kind
+  got = np.asarray(rope_frequencies(conf.head_dim, theta, scaling))
+  np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+def test_phi3_fused_projections_are_split_as_hf_holds_them(tmp_path_factory):
+  """Phi-3's qkv_proj and gate_up_proj load as the model's wq, wk, wv, w_gate, w_up: the
+  rows of HF's fused matrices, in order."""
+  from jaxinfer.loading.safetensors_loader import load_safetensors_dir
+  d, hf = _hf_dir("phi3", tmp_path_factory)
+  params, cfg = load_safetensors_dir(d)
+  attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+  qkv = attn.qkv_proj.weight.detach().numpy()
+  gate_up = mlp.gate_up_proj.weight.detach().numpy()
+  NH, KH, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+      cfg.intermediate_size
+  lp = params["layers"][1]
+  np.testing.assert_array_equal(lp["wq"], qkv[:NH].T)
+  np.testing.assert_array_equal(lp["wk"], qkv[NH:NH + KH].T)
+  np.testing.assert_array_equal(lp["wv"], qkv[NH + KH:].T)
+  np.testing.assert_array_equal(lp["w_gate"], gate_up[:F].T)
+  np.testing.assert_array_equal(lp["w_up"], gate_up[F:].T)
+  assert "wq+wk+wv" not in lp and "w_gate+w_up" not in lp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "llama_linear", "mistral", "phi3",
+                                  "gemma2", "gemma3"])
+def test_family_prefix_hit_preempted_and_speculative_greedy_match_hf(name, tmp_path_factory):
+  """The engine's other paths on every family: requests sharing a 24-token prefix (cache
+  hits), a pool too small for all of them without reservation (preemption), and n-gram
+  drafts verified in the target step: each request's greedy tokens equal HF's."""
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  d, hf = _hf_dir(name, tmp_path_factory)
+  m = load_model(d, "float32")
+  shared = _prompt(1, 24)
+  prompts = [shared + _prompt(2 + i, 16) for i in range(3)]
+  want = [_hf_greedy(hf, p, 12) for p in prompts]
+  sp = SamplingParams(max_tokens=12, ignore_eos=True)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      query_sizes=(1, 4, 16))
+  sched = SchedulerConfig("chunked", 4, 16, 16, reserve="none")
+  llm = LLM.from_loaded(m, warmup=False, num_pages=9, page_size=8, buckets=table,
+                        prefix_cache=True, scheduler=sched)
+  first = llm.generate(prompts[:1], sp)[0]
+  rest = llm.generate(prompts[1:], sp)
+  assert [o.token_ids for o in [first] + rest] == want, name
+  assert all(o.cached_tokens >= 16 for o in rest)
+  assert llm.engine.scheduler.num_preemptions > 0
+  spec = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table,
+                         speculative="ngram", num_draft=3)
+  outs = spec.generate(prompts, sp)
+  assert [o.token_ids for o in outs] == want, name
+  assert sum(o.rounds for o in outs) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "mistral", "phi3", "gemma2", "gemma3"])
+def test_generate_runs_each_family_end_to_end(name, smollm2, tmp_path):
+  """`python -m jaxinfer generate --model=<HF dir>` on a random model of the family with
+  SmolLM2's vocabulary, its tokenizer.json beside the weights: exit 0 and 8 tokens."""
+  import json
+  import subprocess
+  import sys
+  import torch
+  conf_cls, model_cls, extra = _families()[name]
+  torch.manual_seed(0)
+  conf = conf_cls(**dict(COMMON, **dict(extra, vocab_size=smollm2.cfg.vocab_size,
+                                        eos_token_id=list(smollm2.cfg.eos_token_ids))))
+  model_cls(conf).save_pretrained(str(tmp_path), safe_serialization=True)
+  smollm2.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+  out = subprocess.run(
+      [sys.executable, "-m", "jaxinfer", "generate", f"--model={tmp_path}", "--prompt=Hello",
+       "--max_tokens=8", "--json", "--nowarmup", "--max_num_seqs=1"],
+      capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["finish_reason"] in ("length", "stop") and 1 <= len(r["token_ids"]) <= 8
