@@ -55,13 +55,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
                              " --xla_backend_optimization_level=1").strip()
 
 
-# The files that take longest (seconds of test time in a two-worker run, 2026-12-01), run
+# The files that take longest (seconds of test time in a two-worker run, 2026-12-03), run
 # first: `--dist loadfile` hands each worker the next file in collection order as it
 # frees up, so long files queued last would leave one worker running alone at the end.
-_LONG_FILES = ("test_server", "test_engine", "test_lora", "test_attention_xla", "test_llm",
-               "test_sharding", "test_structured", "test_model_hf", "test_engine_properties",
-               "test_block_matmul", "test_logits_processing", "test_pallas_attention",
-               "test_kv_formats", "test_binaries", "test_errors")
+_LONG_FILES = ("test_server", "test_engine", "test_lora", "test_sharding", "test_llm",
+               "test_errors", "test_structured", "test_model_hf", "test_binaries",
+               "test_attention_xla", "test_engine_properties", "test_logits_processing",
+               "test_sampling", "test_pallas_attention", "test_families", "test_block_matmul",
+               "test_kv_formats", "test_gguf_loader")
 
 
 def pytest_collection_modifyitems(session, config, items):

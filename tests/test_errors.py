@@ -171,7 +171,8 @@ def test_cli_generate_exits_1_and_says_why_when_a_request_fails(smollm2, tmp_pat
   a["wq"] = np.sign(a["wq"]) * np.float32(3e38)
   save_peft(str(tmp_path / "X"), a, b, smollm2.cfg, rank=4, alpha=4)
   base = ["generate", f"--lora=X={tmp_path / 'X'}", "--lora_name=X", "--max_tokens=3",
-          "--nowarmup", "--max_lora_rank=4"]
+          "--nowarmup", "--max_lora_rank=4", "--num_pages=64", "--max_num_seqs=1",
+          "--max_num_batched_tokens=32"]
   for extra in ([], ["--stream"]):  # --json prints its line, then the same exit path
     out = _cli(*base, *extra)
     err = out.stderr.decode()
