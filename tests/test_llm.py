@@ -127,5 +127,6 @@ def test_q_precision_reaches_attention(smollm2):
       lps[fmt, qp] = llm.generate(["The capital of France is"], sp)[0].logprobs
   assert lps["f32", "compute"] == lps["f32", "kv"]
   assert lps["q4_0", "compute"] != lps["q4_0", "kv"]
-  with pytest.raises(ValueError, match=r"q_precision must be one of \('compute', 'kv'\), got 'fp4'"):
+  with pytest.raises(ValueError,
+                     match=r"q_precision must be one of \('compute', 'kv'\), got 'fp4'"):
     LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, q_precision="fp4")

@@ -18,6 +18,7 @@ Optional parts of a weight type's protocol (absent: the dense behaviour):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Tuple
 
 import jax
@@ -25,20 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _pytree(data, meta=()):
-  """Register a frozen dataclass as a pytree (data fields: children; meta: static)."""
-  def wrap(cls):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    return jax.tree_util.register_dataclass(cls, data_fields=list(data),
-                                            meta_fields=list(meta))
-  return wrap
-
-
 def _is_weight(w) -> bool:
   return hasattr(w, "matmul")
 
 
-@_pytree(data=("w",), meta=("transposed",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["w"],
+                   meta_fields=["transposed"])
+@dataclasses.dataclass(frozen=True)
 class Dense:
   """A dense weight [(L,) in, out], or [(L,) out, in] when transposed (a tied embedding
   read as the LM head). Half-precision weights multiply with float32 accumulation, rounded
@@ -67,7 +62,10 @@ def splits_of(w) -> Tuple[int, ...]:
   return tuple(as_weight(w).splits)
 
 
-@_pytree(data=("base", "deltas", "layer", "index"))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["base", "deltas", "layer", "index"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
 class Adapted:
   """`base` plus the step's adapters: deltas holds, per part of base's output, the LoRA
   pool's (a [L, in, S, r], b [L, S, r, out]) of that target or None; `index` the step's

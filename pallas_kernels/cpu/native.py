@@ -8,10 +8,10 @@ and OS run) and `jaxinfer_f32_panel_matmul` (panels.cc, AVX-512;
 compiler into the cache (`$JAXINFER_CACHE/native`, default ~/.cache/jaxinfer/native),
 keyed by the sources and the headers they share (native_items.h, kv_rows.h, fast_exp.h),
 the flags, the compiler and jax's version: one object per source, compiled in parallel,
-then linked and renamed into place atomically. A file lock makes concurrent processes (test workers, a server and
-its client) wait for one build instead of each running its own. Without a compiler, on a
-platform other than Linux, or with JAXINFER_NATIVE=0, `available()` is False and callers keep their XLA-op paths
-(logged once). Calls of up to 8 rows share their items with helper threads the library
+then linked and renamed into place atomically. A file lock makes concurrent processes
+(test workers, a server and its client) wait for one build instead of each running its
+own. Without a compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0,
+`available()` is False and callers keep their XLA-op paths (logged once). Calls of up to 8 rows share their items with helper threads the library
 starts on first use (native_items.h: they poll for 2 ms after a call, then sleep);
 JAXINFER_SPIN_HELPERS=0 hands every call's items to XLA's thread pool instead.
 """

@@ -19,6 +19,7 @@ activations float32 (`activation_dtype`), which XLA:CPU computes through float32
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Tuple
 
 import jax
@@ -35,14 +36,6 @@ HALF_MIN_ROWS = 16
 GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
-def _pytree(data, meta=()):
-  def wrap(cls):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    return jax.tree_util.register_dataclass(cls, data_fields=list(data),
-                                            meta_fields=list(meta))
-  return wrap
-
-
 class _Stacked:
   """A weight [(L,) ...] read at `layer` (None: unstacked, or layer 0)."""
   in_place = True
@@ -52,7 +45,10 @@ class _Stacked:
     return dataclasses.replace(self, layer=i)
 
 
-@_pytree(data=("panels", "layer"), meta=("splits",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["panels", "layer"],
+                   meta_fields=["splits"])
+@dataclasses.dataclass(frozen=True)
 class Panels(_Stacked):
   panels: Any
   layer: Any = None
@@ -62,7 +58,10 @@ class Panels(_Stacked):
     return panels.matmul(x, self.panels, self.layer)
 
 
-@_pytree(data=("tiles", "layer"), meta=("splits",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tiles", "layer"],
+                   meta_fields=["splits"])
+@dataclasses.dataclass(frozen=True)
 class Tiles(_Stacked):
   tiles: Any
   layer: Any = None
@@ -73,7 +72,10 @@ class Tiles(_Stacked):
     return tiles.matmul(x, self.tiles, self.layer)
 
 
-@_pytree(data=("codes", "scales", "layer", "dense"), meta=("splits",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "scales", "layer", "dense"],
+                   meta_fields=["splits"])
+@dataclasses.dataclass(frozen=True)
 class Blocks(_Stacked):
   """GGUF blocks, with the dense form (a jaxinfer.model.linear weight) larger steps use."""
   codes: Any
@@ -93,7 +95,10 @@ class Blocks(_Stacked):
     return gguf.matmul(x, self.codes, self.scales, self.layer)
 
 
-@_pytree(data=("w",), meta=("transposed",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["w"],
+                   meta_fields=["transposed"])
+@dataclasses.dataclass(frozen=True)
 class Half:
   """bf16 weights [(L,) in, out] ([out, in] transposed) as bf16 or uint16 bit patterns."""
   w: Any
@@ -115,7 +120,10 @@ class Half:
     return jnp.einsum(spec, xp, w, preferred_element_type=jnp.float32)[:m]
 
 
-@_pytree(data=("ws",), meta=("transposed",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["ws"],
+                   meta_fields=["transposed"])
+@dataclasses.dataclass(frozen=True)
 class Parts:
   """Dense weights read by one input ([in, out] each, or [out, in] transposed), their
   products side by side: the form a GGUF weight takes in steps of many rows."""

@@ -101,8 +101,8 @@ def _gather_block(pool, fmt, layer, page_ids, dtype):
 
 
 def native_decode_supported(q_shape, num_kv_heads, page_size) -> bool:
-  """Shapes the CPU custom call handles (pallas_kernels/cpu/decode.cc): head_dim a multiple of 8 up to
-  256, at most 16 query heads per KV head, pages of at most 64 tokens."""
+  """Shapes the CPU custom call handles (pallas_kernels/cpu/decode.cc): head_dim a multiple
+  of 8 up to 256, at most 16 query heads per KV head, pages of at most 64 tokens."""
   _, N, H = q_shape
   return H % 8 == 0 and H <= 256 and N // num_kv_heads <= 16 and page_size <= 64
 
