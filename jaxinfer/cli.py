@@ -306,7 +306,10 @@ def _cache(action: str) -> None:
               "hf": "HF transformers' float32 copies of GGUF models (the benchmarks' peer)"}.get(
           e, "?")
       cfg = os.path.join(path, "model_config.json")
-      if os.path.isfile(cfg):
+      if e.endswith(".tokenizer") and os.path.isfile(os.path.join(path,
+                                                                  "tokenizer_meta.json")):
+        what = "the tokenizer of the converted weights beside it"
+      elif os.path.isfile(cfg):
         with open(cfg) as f:
           what = f"converted weights of {json.load(f).get('name', '?')}"
       print(f"  {e}  {size(path) / 2**20:9.1f} MiB  {what}")

@@ -239,3 +239,40 @@ def test_converted_cache_entry_with_an_edited_config_or_no_checksum_is_rebuilt(
     caplog.clear()
     load_model(path, cache_dir=str(cache))  # the rebuilt entry is trusted again
     assert "converting again" not in caplog.text
+
+
+def test_a_warm_load_reads_the_cached_tokenizer_and_a_damaged_one_is_rebuilt(caplog):
+  """SmolLM2's GGUF loaded again (the run's cache holds its converted weights): the load
+  takes its tokenizer from the entry beside the weights without opening the GGUF's
+  metadata, and encodes alike; an edited tokenizer.json (its SHA-256 no longer matches)
+  is refused with a warning, read from the GGUF again and rewritten."""
+  import pathlib
+  from jaxinfer.loading import gguf_loader, load_model, resolve_model
+  from jaxinfer.loading.registry import cache_key, default_cache_dir
+  first = load_model("smollm2-135m-instruct")
+  tok_dir = pathlib.Path(default_cache_dir()) / (
+      cache_key(resolve_model("smollm2-135m-instruct"), "float32") + ".tokenizer")
+  assert tok_dir.is_dir()
+  opened = []
+  real = gguf_loader.open_gguf
+
+  def spy(path):
+    opened.append(path)
+    return real(path)
+
+  gguf_loader.open_gguf = spy
+  try:
+    warm = load_model("smollm2-135m-instruct")
+    assert not opened
+    text = "Hello, world! 123 <|im_start|>"
+    assert warm.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert warm.tokenizer.chat_template == first.tokenizer.chat_template
+    with open(tok_dir / "tokenizer.json", "a") as f:
+      f.write(" ")
+    again = load_model("smollm2-135m-instruct")
+    assert opened and "ignoring the cached tokenizer" in caplog.text
+    assert again.tokenizer.encode(text) == first.tokenizer.encode(text)
+  finally:
+    gguf_loader.open_gguf = real
+  from jaxinfer.loading import tokenizer as tok
+  tok.load_saved(str(tok_dir))  # rewritten whole

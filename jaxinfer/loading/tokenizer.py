@@ -116,6 +116,41 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
                    chat_template=field(reader, "tokenizer.chat_template"), special_tokens=special)
 
 
+def save_tokenizer(tk: Tokenizer, path: str) -> None:
+  """Write `tk` to the directory `path`: tokenizer.json and tokenizer_meta.json (the ids,
+  template and special tokens, with tokenizer.json's SHA-256), read by load_saved."""
+  import hashlib
+  text = tk.backend.to_str()
+  with open(os.path.join(path, "tokenizer.json"), "w") as f:
+    f.write(text)
+  meta = {"bos_token_id": tk.bos_token_id, "eos_token_ids": list(tk.eos_token_ids),
+          "add_bos": tk.add_bos, "chat_template": tk.chat_template,
+          "special_tokens": tk.special_tokens,
+          "sha256": hashlib.sha256(text.encode()).hexdigest()}
+  with open(os.path.join(path, "tokenizer_meta.json"), "w") as f:
+    json.dump(meta, f)
+
+
+def load_saved(path: str) -> Tokenizer:
+  """The tokenizer save_tokenizer wrote to `path`; ModelLoadError if a file is missing,
+  malformed or not the one its meta record hashed."""
+  import hashlib
+  from tokenizers import Tokenizer as HFTokenizer
+  try:
+    with open(os.path.join(path, "tokenizer.json")) as f:
+      text = f.read()
+    with open(os.path.join(path, "tokenizer_meta.json")) as f:
+      meta = json.load(f)
+    if hashlib.sha256(text.encode()).hexdigest() != meta["sha256"]:
+      raise ValueError("tokenizer.json does not match its recorded SHA-256")
+    return Tokenizer(HFTokenizer.from_str(text), bos_token_id=meta["bos_token_id"],
+                     eos_token_ids=meta["eos_token_ids"], add_bos=meta["add_bos"],
+                     chat_template=meta["chat_template"],
+                     special_tokens=meta["special_tokens"])
+  except (OSError, ValueError, KeyError, TypeError, Exception) as e:  # noqa: BLE001
+    raise ModelLoadError(f"no usable saved tokenizer in {path!r} ({e})") from None
+
+
 def tokenizer_from_hf_dir(path: str, eos_token_ids: Sequence[int],
                           bos_token_id: Optional[int]) -> Tokenizer:
   from tokenizers import Tokenizer as HFTokenizer
