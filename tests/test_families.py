@@ -195,3 +195,49 @@ def test_generate_runs_each_family_end_to_end(name, smollm2, tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   assert r["finish_reason"] in ("length", "stop") and 1 <= len(r["token_ids"]) <= 8
+
+
+_TP_CHECK = """
+import json, sys, tempfile
+sys.path.insert(0, {tests!r})
+import test_families as tf
+from jaxinfer.buckets import BucketTable
+from jaxinfer.config import SamplingParams
+from jaxinfer.llm import LLM
+from jaxinfer.loading import load_model
+
+class Dirs:
+  def mktemp(self, n):
+    return tempfile.mkdtemp(prefix=n)
+
+out = {{}}
+for name in {names!r}:
+  d, hf = tf._hf_dir(name, Dirs())
+  m = load_model(d, "float32")
+  ids = tf._prompt()
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(2,), page_table_sizes=(8,))
+  llm = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table,
+                        mesh="tp:2")
+  got = llm.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+  out[name] = got == tf._hf_greedy(hf, ids, 12)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_families_match_hf():
+  """tp:2 on two virtual CPU devices (biases split with their heads, windows and soft caps
+  under shard_map): the same greedy tokens as HF."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  names = ["qwen2", "mistral", "gemma2"]
+  code = _TP_CHECK.format(tests=str(pathlib.Path(__file__).parent), names=names)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=900, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == {n: True for n in names}
