@@ -150,13 +150,14 @@ def test_prefix_reuse_real_small(tmp_path):
 @pytest.mark.slow
 def test_kv_quality_small(tmp_path):
   """8.4.4 at CI size: the f32 paged decode agrees with a one-shot f32 prefill of the same
-  texts (computed: top-1 1.0, KL ~ rounding); q4_0 KV drifts from f32 (KL > 0, top-1 < 1)
-  and stores fewer bytes per token; every attempt is graded."""
+  texts (KL ~ rounding; top-1 may flip at a near tie: 1.0 on the AVX-512 VM, 0.978 on the
+  AVX2-only one, both at the same code); q4_0 KV drifts from f32 (KL far above f32's,
+  top-1 < 1) and stores fewer bytes per token; every attempt is graded."""
   out = _run("experiments.kv_quality", _config("kv_quality", "small"),
              f"--output_dir={tmp_path}")
   d = _loads((tmp_path / "kv_quality.json").read_text())
   s = {r["variant"]: r for r in d["summary"]}
-  assert s["f32"]["top1_agreement"] == 1.0 and s["f32"]["kl_max"] < 1e-4
+  assert s["f32"]["top1_agreement"] >= 0.95 and s["f32"]["kl_max"] < 1e-4
   assert s["q4_0"]["kl_mean"] > 100 * s["f32"]["kl_mean"]
   assert 0 < s["q4_0"]["kl_mean"] and s["q4_0"]["top1_agreement"] < 1.0
   assert s["q4_0"]["kv_bytes_per_token"] < s["f32"]["kv_bytes_per_token"] / 5
