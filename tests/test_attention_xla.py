@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import xla
+from pallas_kernels.paged_attention import reference, xla
 from test_pallas_attention import FORMATS, MIXES, make_case, ref_attention
 
 # The machines this runs on have a C++ compiler: a failed build must fail here, not hide.
@@ -190,3 +190,31 @@ def test_long_contexts_of_few_slots_split_the_context():
   rng = np.random.default_rng(5)
   for reqs in ([(2100, 1)], [(1100, 1)]):
     _check(make_case(rng, "q4_0", 16, 9, 3, 64, reqs), reqs, block_pages=8)
+
+
+@pytest.mark.parametrize("window,softcap", [(7, None), (40, 0.5), (None, 0.5)])
+def test_sliding_window_and_soft_cap_match_reference(window, softcap):
+  """A sliding window (traced, as under the layer scan) and a score cap: the XLA backend's
+  decode and prefill groups equal the reference over many page blocks of NaN-poisoned
+  pools (the decode slots leave the native call, which has neither); a window wider than
+  every context changes nothing, a narrow one does."""
+  rng = np.random.default_rng(3)
+  for reqs in LONG:
+    args = make_case(rng, "f32", 8, 8, 2, 64, reqs)
+    n_pre = sum(n > 1 for _, n in reqs)
+    Q = max(n for _, n in reqs)
+    kw = dict(max_query_len=Q, num_prefill_slots=n_pre, softcap=softcap)
+    w = None if window is None else jnp.int32(window)
+    ref = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a[:-1], window=a[-1], **kw))(*args, w))
+    out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
+        *a[:-1], window=a[-1], block_pages=2, **kw))(*args, w))
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5, (reqs, window, softcap)
+    plain = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a, max_query_len=Q, num_prefill_slots=n_pre, softcap=softcap))(*args))
+    wide = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a[:-1], window=a[-1], **kw))(*args, jnp.int32(10_000)))
+    np.testing.assert_allclose(wide, plain, rtol=1e-6, atol=1e-6)
+    if window == 7:
+      assert np.linalg.norm(ref - plain) > 1e-3 * np.linalg.norm(plain)
