@@ -137,7 +137,8 @@ class LLM:
     sched = c.scheduler or SchedulerConfig(
         policy=c.policy, max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
-        deadline_admission=c.deadline_admission, cache_key=(self.cfg.name, "", kv_format))
+        deadline_admission=c.deadline_admission, cache_key=(self.cfg.name, "", kv_format),
+        window=self.cfg.windows[0] if len(set(self.cfg.windows)) == 1 else 0)
     eos = tuple(self.cfg.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
     from jaxinfer.executors.drafters import make_drafter
     from jaxinfer.runtime.speculative import DraftLengthPolicy

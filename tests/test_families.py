@@ -241,3 +241,42 @@ def test_tensor_parallel_families_match_hf():
                        timeout=900, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {n: True for n in names}
+
+
+def test_pages_behind_a_sliding_window_are_released(tmp_path_factory):
+  """Mistral (window 16 in every layer, pages of 8 tokens): as requests advance, the
+  pages wholly behind the window are released, so each decoding request holds at most
+  window / page + 2 pages; three requests of 40 + 24 tokens run in a pool of 12 pages
+  (full attention would need 24) with fewer preemptions than the same run keeping every
+  page, and the greedy tokens equal HF's."""
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  from jaxinfer.runtime.pages import HOLE
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  d, hf = _hf_dir("mistral", tmp_path_factory)
+  m = load_model(d, "float32")
+  prompts = [_prompt(10 + i) for i in range(3)]
+  want = [_hf_greedy(hf, p, 24) for p in prompts]
+  sp = SamplingParams(max_tokens=24, ignore_eos=True)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      query_sizes=(1, 16))
+  runs = {}
+  for window in (WINDOW, 0):
+    llm = LLM.from_loaded(m, warmup=False, num_pages=12, page_size=8, buckets=table,
+                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve="none",
+                                                    window=window))
+    eng = llm.engine
+    reqs = [eng.add_request(p, sp) for p in prompts]
+    most = 0
+    while eng.has_unfinished():
+      eng.step()
+      for r in reqs:
+        if eng.pm.has(r.request_id) and r.num_computed >= len(r.prompt_token_ids):
+          held = [p for p in eng.pm.page_table(r.request_id) if p != HOLE]
+          most = max(most, len(held))
+      eng.pm.check_invariants()
+    assert [r.output_token_ids for r in reqs] == want, window
+    runs[window] = (most, eng.scheduler.num_preemptions)
+  print("window release: (most pages held, preemptions) by window:", runs)
+  assert runs[WINDOW][0] <= WINDOW // 8 + 2, runs
+  assert runs[WINDOW][1] < runs[0][1], runs

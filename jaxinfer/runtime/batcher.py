@@ -121,7 +121,8 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
     assert len(pt) * page_size >= end, "page table too short for the step's tokens"
     assert 0 < w.num_logits <= n or w.num_logits == 0
     pt = pt[:-(-end // page_size)]  # pages past this step's tokens are not read
-    page_table[r, :len(pt)] = pt
+    page_table[r, :len(pt)] = np.maximum(pt, 0)  # a released page (behind a sliding
+    # window, pages.HOLE) reads page 0, which the window masks out
     query_start[r], query_len[r], cached_len[r] = t, n, w.cached_len
     pos = np.arange(w.cached_len, end, dtype=np.int32)
     token_ids[t:t + n] = w.token_ids

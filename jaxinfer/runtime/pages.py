@@ -34,9 +34,15 @@ Copy = Tuple[int, int]  # (src page, dst page) for the device to copy before the
 
 @dataclasses.dataclass
 class SeqPages:
-  pages: List[int]
+  pages: List[int]  # HOLE where a page behind a sliding window was released
   num_tokens: int = 0  # tokens whose K/V are (or are being) written
   reserved: int = 0  # pages promised to this sequence, not yet taken from the free list
+  released: int = 0  # leading pages released (HOLE in `pages`)
+
+
+# A page-table entry whose page was released: every token in it lies behind the model's
+# sliding window, so no query reads it again (the device reads page 0 there, masked out).
+HOLE = -1
 
 
 class PageManager:
@@ -127,8 +133,24 @@ class PageManager:
       raise KeyError(f"sequence {dst_id!r} already exists")
     src = self._seqs[src_id]
     for p in src.pages:
-      self._incref(p)
-    self._seqs[dst_id] = SeqPages(pages=list(src.pages), num_tokens=src.num_tokens)
+      if p != HOLE:
+        self._incref(p)
+    self._seqs[dst_id] = SeqPages(pages=list(src.pages), num_tokens=src.num_tokens,
+                                  released=src.released)
+
+  def release_before(self, seq_id, first_needed: int) -> int:
+    """Release the pages whose every token lies before position `first_needed` (behind a
+    sliding window: no later query reads them); their entries become HOLE. Returns how
+    many were released."""
+    s = self._seqs[seq_id]
+    upto = min(max(first_needed, 0) // self.page_size, len(s.pages) - 1)
+    n = 0
+    for j in range(s.released, upto):
+      self._decref(s.pages[j])
+      s.pages[j] = HOLE
+      n += 1
+    s.released = max(s.released, upto)
+    return n
 
   def grow(self, seq_id, new_num_tokens: int) -> Optional[List[Copy]]:
     """Make room to write tokens [num_tokens, new_num_tokens). Takes reserved pages first,
@@ -169,8 +191,10 @@ class PageManager:
       raise ValueError(f"rollback to {new_num_tokens} outside [0, {s.num_tokens}]")
     keep = self.pages_for(new_num_tokens)
     for p in s.pages[keep:]:
-      self._decref(p)
+      if p != HOLE:
+        self._decref(p)
     del s.pages[keep:]
+    s.released = min(s.released, len(s.pages))
     s.num_tokens = new_num_tokens
 
   def free(self, seq_id) -> None:
@@ -178,7 +202,8 @@ class PageManager:
     step still reads are released when that step completes."""
     s = self._seqs.pop(seq_id)
     for p in s.pages:
-      self._decref(p)
+      if p != HOLE:
+        self._decref(p)
     self._reserved_total -= s.reserved
 
   def unreserve(self, seq_id) -> None:
@@ -211,12 +236,14 @@ class PageManager:
     self._next_step += 1
     for sid in seq_ids:
       for p in self._seqs[sid].pages:
-        self._last_read[p] = step
+        if p != HOLE:
+          self._last_read[p] = step
     return step
 
   def note_reads(self, step: int, pages: Iterable[int]) -> None:
     for p in pages:
-      self._last_read[p] = max(self._last_read[p], step)
+      if p != HOLE:
+        self._last_read[p] = max(self._last_read[p], step)
 
   def complete_step(self, step: int) -> None:
     """Every step numbered <= step has finished on the device."""
@@ -268,7 +295,8 @@ class PageManager:
     exactly one of free / pending / referenced; no free page is read by an unfinished step."""
     counts = collections.Counter()
     for s in self._seqs.values():
-      counts.update(s.pages)
+      counts.update(p for p in s.pages if p != HOLE)
+      assert all(p == HOLE for p in s.pages[:s.released]), "a released entry holds a page"
       assert len(s.pages) >= self.pages_for(s.num_tokens), "table shorter than its tokens"
       assert s.reserved >= 0
     for p, n in (extra_refs or {}).items():

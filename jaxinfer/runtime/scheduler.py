@@ -24,7 +24,7 @@ import functools
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from jaxinfer.runtime.pages import PageManager
+from jaxinfer.runtime.pages import HOLE, PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request, State
 
@@ -40,6 +40,8 @@ class SchedulerConfig:
   reserve: str = "end"  # "end": L + G - 1 at admission (8.1) | "none": preempt when short
   deadline_admission: bool = False  # 8.6.1: reject early what cannot finish in time
   cache_key: Tuple[str, str, str] = ("model", "", "f32")  # (model, adapter, KV format)
+  window: int = 0  # the model's sliding window in every layer: pages behind it are
+  #                  released as a request advances (0: full attention somewhere)
 
   def __post_init__(self):
     if self.policy not in POLICIES:
@@ -49,6 +51,8 @@ class SchedulerConfig:
     for name in ("max_running", "token_budget", "chunk_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.window < 0:
+      raise ValueError(f"window must be >= 0, got {self.window}")
 
 
 @dataclasses.dataclass
@@ -102,14 +106,14 @@ class StepPlan:
     groups = {}
     for s in self.seqs:
       pt = self.pages.page_table(s.request.request_id)
-      if pt and s.start:
+      if pt and s.start and pt[0] != HOLE:
         groups.setdefault(pt[0], []).append((s, pt))
     group = max(groups.values(), key=len, default=[])
     if len(group) < 2:
       return (0, 0)
     common = 0
     for col in zip(*(pt for _, pt in group)):
-      if any(p != col[0] for p in col):
+      if col[0] == HOLE or any(p != col[0] for p in col):
         break
       common += 1
     return (min(common * self.pages.page_size, min(s.start for s, _ in group)), len(group))
@@ -493,6 +497,7 @@ class Scheduler:
         continue  # aborted or preempted while the step ran
       if not rows:
         r.num_computed = s.start + s.num_tokens
+        self._behind_window(r)
         continue
       new = []
       for j, (tok, lp, acc, top) in enumerate(rows):
@@ -517,6 +522,7 @@ class Scheduler:
       r.num_computed = s.start + s.num_tokens + len(new) - 1
       if self.pm.num_tokens(r.request_id) > r.num_computed:
         self.pm.rollback(r.request_id, r.num_computed)
+      self._behind_window(r)
       r.draft = []
       if r.state == State.PREFILL:
         r.set_state(State.DECODE)
@@ -535,11 +541,18 @@ class Scheduler:
       emitted.append((r, count))
     return emitted
 
+  def _behind_window(self, r: Request) -> None:
+    """Release the pages no later query of `r` reads: keys before the window of its next
+    position (every layer of the model is windowed: config.window)."""
+    if self.config.window:
+      self.pm.release_before(r.request_id, r.num_computed - self.config.window + 1)
+
   def _finish(self, r: Request, reason: str, now: float) -> None:
     self.running.remove(r)
     self._memory_pressure = False
-    if self.cache is not None:
-      # Offer the computed full pages (the last output's K/V is never written).
+    if self.cache is not None and HOLE not in self.pm.page_table(r.request_id):
+      # Offer the computed full pages (the last output's K/V is never written; a request
+      # that released pages behind its window holds no whole prefix to offer).
       self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed],
                         self.pm.page_table(r.request_id))
     self._release(r)

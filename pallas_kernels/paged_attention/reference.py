@@ -50,7 +50,11 @@ def attend_group(q, k_new, v_new, pool, layer, page_table, query_start, query_le
   kc, vc = kv_codec.gather_pages(pool, layer, page_table, cdt)  # [K, R, S, H]
   S = kc.shape[2]
   cvalid = jnp.arange(S, dtype=jnp.int32)[None, :] < cached_len[:, None]  # [R, S]
-  vc = jnp.where(cvalid[None, :, :, None], vc, 0.0)  # stale pages may hold NaN
+  # stale pages may hold NaN, and so may the page a released entry (behind the window)
+  # reads: keys no query of the slot reads are zeroed
+  read = cvalid & common.in_window(jnp.arange(S, dtype=jnp.int32)[None, :],
+                                   cached_len[:, None], window)
+  vc = jnp.where(read[None, :, :, None], vc, 0.0)
 
   s_c = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qr, kc), softcap)  # [K, R, Q, G, S]
   s_n = common.soft_cap(jnp.einsum("krqgh,krjh->krqgj", qr, kn), softcap)  # [K, R, Q, G, Q]

@@ -226,7 +226,10 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    vc = jnp.where(cached[None, :, :, None], vc, 0.0)  # stale pages may hold NaN
+    # stale pages may hold NaN, and so may the page a released entry (behind the window)
+    # reads: keys no query of the slot reads are zeroed
+    read = cached & common.in_window(pos[None, :], cached_len[:, None], window)
+    vc = jnp.where(read[None, :, :, None], vc, 0.0)
     pv = jnp.einsum("krqgs,krsh->krqgh", p, vc)
     return m_new, l * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
 
