@@ -1,7 +1,8 @@
 """A stateful property test over the whole scheduler on the simulated executor: random
 arrivals with shared prefixes, aborts (also between launch and finish), tiny pools with
 reserve="none" (preemption) or "end", the prefix cache with a host tier, speculative
-verification with random acceptance (rollback), and injected step faults.
+verification with random acceptance (rollback), pages released behind a sliding window,
+and injected step faults.
 
 After every rule the page invariants hold (every page free, pending or referenced
 exactly as the page tables and the prefix cache say); at the end every request has
@@ -58,11 +59,11 @@ class EngineMachine(RuleBasedStateMachine):
   @initialize(reserve=st.sampled_from(["none", "end"]),
               policy=st.sampled_from(["continuous", "chunked"]),
               host=st.sampled_from([0, 8]), speculate=st.booleans(),
-              acceptance=st.sampled_from([0.0, 0.6]))
-  def setup(self, reserve, policy, host, speculate, acceptance):
+              acceptance=st.sampled_from([0.0, 0.6]), window=st.sampled_from([0, 0, 6]))
+  def setup(self, reserve, policy, host, speculate, acceptance, window):
     self.ex = FlakySim(acceptance)
     cfg = SchedulerConfig(policy, max_running=4, token_budget=16, chunk_size=8,
-                          reserve=reserve)
+                          reserve=reserve, window=window)
     self.eng = Engine(self.ex, cfg, buckets=BucketTable.default(32, 8, NUM_PAGES),
                       prefix_cache=True, host_cache_pages=host,
                       drafter=NgramDrafter() if speculate else None,
