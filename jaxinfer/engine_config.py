@@ -44,7 +44,7 @@ class EngineConfig:
       "weights, about 5x fewer bytes read per decode step, 8.4.1)", choices=WEIGHT_FORMATS)
   scan_layers: bool = _opt(
       True, "layer loop: lax.scan over stacked weights (compiles fast), or one block per "
-      "layer (each shape compiles about 3x slower)", flag="layers", choices=("scan", "unrolled"),
+      "layer (each shape compiles slower)", flag="layers", choices=("scan", "unrolled"),
       flag_default="scan", from_flag=lambda v: v == "scan")
   kv_format: str = _opt("f32", "KV cache format (8.4.2)", choices=KV_FORMATS)
   q_precision: str = _opt(
@@ -116,7 +116,8 @@ class EngineConfig:
     for f in dataclasses.fields(self):
       choices = f.metadata["choices"]
       v = getattr(self, f.name)
-      if choices and f.metadata["flag"] == "" and v not in choices:
+      # (a field converted from its flag, like scan_layers, lists the flag's choices)
+      if choices and f.metadata["from_flag"] is None and v not in choices:
         raise ValueError(f"{f.name} must be one of {choices}, got {v!r}")
     for name in ("scan_layers", "deadline_admission", "warmup", "structured_output",
                  "prefix_cache", "adaptive_draft"):

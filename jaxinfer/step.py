@@ -22,8 +22,8 @@ from jaxinfer.model import transformer
 def sample_packed(logits, inputs, argmax=sampling.greedy):
   """Sample / verify every logits row and pack the step's result: [S, 3] float32 of
   (token id, logprob, draft accepted), the step's one device -> host copy (what
-  what `StepResult.from_packed` decodes); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]: then
-  the 20 most likely token ids and their logprobs. Optional inputs are part of the traced
+  `StepResult.from_packed` decodes); with `top_logprobs` in the inputs, [S, 3 + 2 * 20]:
+  then the 20 most likely token ids and their logprobs. Optional inputs are part of the traced
   structure, so a step without them compiles and runs without that work:
   `token_mask` (structured output, min_tokens); `min_p`, `repetition`, `seen` and
   `logit_add` (penalties, logit_bias, min_p: one group). argmax: the platform's greedy
@@ -129,7 +129,8 @@ def enable_compilation_cache(path: str | None = None) -> str:
   return path
 
 
-def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
+def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers,
+                argmax=sampling.greedy):
   """Early-exit self-draft (8.5.3): the target's first `num_layers` layers, its final
   norm and LM head; writes those layers' K/V for the drafted positions (the verify step
   rewrites every layer there). Returns greedy draft tokens [S] and the pool."""
@@ -138,7 +139,7 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers):
   pool = attention.write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"],
                            backend)
   logits = transformer.lm_head(params, x[inputs["logits_idx"]], cfg)
-  return _on_every_device(jnp.argmax(logits, axis=-1).astype(jnp.int32), backend), pool
+  return _on_every_device(argmax(logits), backend), pool
 
 
 class Steps(NamedTuple):
@@ -156,7 +157,8 @@ def _make_steps(options: dict | None, argmax=sampling.greedy) -> Steps:
               donate_argnums=(1,), **kw),
       jax.jit(_forward, static_argnames=("cfg", "attn_shape", "backend"), donate_argnums=(1,),
               **kw),
-      jax.jit(_draft_step, static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
+      jax.jit(functools.partial(_draft_step, argmax=argmax),
+              static_argnames=("cfg", "attn_shape", "backend", "num_layers"),
               donate_argnums=(1,), **kw),
       jax.jit(functools.partial(_sample, argmax=argmax), static_argnames=("backend",), **kw))
 

@@ -21,7 +21,7 @@ if "JAXINFER_CACHE" not in os.environ:
 
 
 # Every executable the tests compile uses XLA:CPU's loop emitters, as the engine's CPU
-# steps do (pallas_kernels.cpu.LOOP_EMITTERS, where they are measured: 25-35% less compile time):
+# steps do (pallas_kernels.cpu.LOOP_EMITTERS; docs/design.md has their compile times):
 # the oracles, the attention and kernel units, the servers and binaries the tests start
 # (they inherit the variable). The library's own probe runs in a subprocess first (this
 # process's JAX must not start before XLA_FLAGS is set): XLA aborts a process whose

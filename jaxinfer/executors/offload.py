@@ -39,13 +39,14 @@ def _host_put(x):
 
 
 def _embed(params, batch, cfg):
-  return transformer.embed(params, batch["token_ids"], cfg)
+  """The step's embeddings and its RoPE tables (computed once, read by every layer)."""
+  return (transformer.embed(params, batch["token_ids"], cfg),
+          transformer.layer_tables(cfg, batch["positions"]))
 
 
-def _one_layer(x, p, i, pool, batch, cfg, attn_shape, backend):
-  rope_for, window_for = transformer.layer_extras(cfg, batch["positions"])
-  return transformer.layer(x, p, i, cfg, rope_for(i), pool, batch, attn_shape, backend,
-                           window_for(i))
+def _one_layer(x, p, i, tables, pool, batch, cfg, attn_shape, backend):
+  return transformer.layer(x, p, i, cfg, transformer.rope_at(cfg, tables, i), pool, batch,
+                           attn_shape, backend, transformer.window_at(cfg, i))
 
 
 def _head(params, pool, batch, x, ks, vs, cfg):
@@ -91,7 +92,7 @@ class LayerStreamer:
   def forward(self, pool, arrays, attn_shape, backend):
     """One step through every layer (offloaded FFN sets streamed in): (packed rows, pool)."""
     cfg = self.cfg
-    x = _embed_jit(self.top, arrays, cfg=cfg)
+    x, tables = _embed_jit(self.top, arrays, cfg=cfg)
     order = [i for i in range(cfg.num_layers) if i in self.host]
     buffers = collections.OrderedDict()  # layer -> FFN weights on the device
     nxt = 0
@@ -103,7 +104,7 @@ class LayerStreamer:
           buffers[order[nxt]] = self._fetch(order[nxt])
           nxt += 1
         p = dict(p, **buffers[i])
-      x, k, v = _layer_jit(x, p, jnp.int32(i), pool, arrays, cfg=cfg,
+      x, k, v = _layer_jit(x, p, jnp.int32(i), tables, pool, arrays, cfg=cfg,
                            attn_shape=attn_shape, backend=backend)
       if i in self.host:
         del buffers[i]  # the buffer frees once its layer is dispatched

@@ -200,8 +200,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     ckpt_dir = os.path.join(cache_dir or default_cache_dir(), cache_key(path, dtype))
     if jax.process_count() > 1:  # orbax saves and restores collectively across a
       use_cache = False  # jax.distributed job; each process converts the GGUF itself
-    # The tokenizer of a file converted before is cached beside its weights (parsing the
-    # GGUF's metadata took 4.8 of a warm start's 7.7 s of loading for SmolLM2)
+    # The tokenizer of a file converted before is cached beside its weights, so a warm
+    # start never parses the GGUF's metadata (docs/design.md, start-up)
     tok_dir = ckpt_dir + ".tokenizer"
     tokenizer = None
     if use_cache and os.path.isdir(tok_dir):

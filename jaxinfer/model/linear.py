@@ -135,10 +135,14 @@ def split_in_place(layer):
   return {k: w for k, w in layer.items() if k not in in_place}, in_place
 
 
+def in_place_at(in_place, i):
+  """Layer i of each weight read in place (`at`)."""
+  return {k: w.at(i) for k, w in in_place.items()}
+
+
 def layer_at(scanned, in_place, i):
   """Layer i's weights: the sliced ones indexed (a traced i), the in-place ones by `at`."""
-  p = jax.tree_util.tree_map(lambda a: a[i], scanned)
-  return dict(p, **{k: w.at(i) for k, w in in_place.items()})
+  return dict(jax.tree_util.tree_map(lambda a: a[i], scanned), **in_place_at(in_place, i))
 
 
 def activation_dtype(params):

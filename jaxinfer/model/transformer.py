@@ -33,26 +33,37 @@ def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None)
 _NO_WINDOW = 1 << 30
 
 
-def layer_extras(cfg: ModelConfig, positions):
-  """(rope_for(i), window_for(i)): each layer's RoPE tables and sliding window, for a
-  static or a traced layer index. Layers differ only where the config says so (Gemma's
-  windowed layers, with their own RoPE base in Gemma 3)."""
+def layer_tables(cfg: ModelConfig, positions):
+  """The step's RoPE tables, computed once: (cos, sin) for full-attention layers and, for
+  a model whose windowed layers have a RoPE base of their own (Gemma 3), theirs; the
+  second is None otherwise."""
   rope = layers.rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  local = None
+  if cfg.rope_local_theta is not None and any(cfg.windows):
+    local = layers.rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+  return rope, local
+
+
+def rope_at(cfg: ModelConfig, tables, i):
+  """Layer i's (cos, sin) from `layer_tables`, for a static or a traced layer index."""
+  rope, local = tables
+  if local is None:
+    return rope
+  if isinstance(i, int):
+    return local if cfg.windows[i] else rope
+  is_local = jnp.asarray([w > 0 for w in cfg.windows])[i]
+  return tuple(jnp.where(is_local, a, b) for a, b in zip(local, rope))
+
+
+def window_at(cfg: ModelConfig, i):
+  """Layer i's sliding window: None for full attention (every layer, or layer i when i is
+  static); under a layer scan that mixes both, a traced int (_NO_WINDOW for full)."""
   windows = cfg.windows
   if not any(windows):
-    return (lambda i: rope), (lambda i: None)
-  local = rope
-  if cfg.rope_local_theta is not None:
-    local = layers.rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
-  w = jnp.asarray([x or _NO_WINDOW for x in windows], jnp.int32)
-  is_local = jnp.asarray([x > 0 for x in windows])
-
-  def rope_for(i):
-    if isinstance(i, int):
-      return local if windows[i] else rope
-    return tuple(jnp.where(is_local[i], a, b) for a, b in zip(local, rope))
-
-  return rope_for, (lambda i: (windows[i] or None) if isinstance(i, int) else w[i])
+    return None
+  if isinstance(i, int):
+    return windows[i] or None
+  return jnp.asarray([w or _NO_WINDOW for w in windows], jnp.int32)[i]
 
 
 def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
@@ -66,17 +77,18 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   adapted weight is wrapped in linear.Adapted for its layer.
   """
   x = embed(params, batch["token_ids"], cfg)  # [T, D]
-  rope_for, window_for = layer_extras(cfg, batch["positions"])
+  tables = layer_tables(cfg, batch["positions"])
   L = cfg.num_layers if num_layers is None else num_layers
   lora = batch.get("lora")
   index = {k: a for k, a in batch.items() if k.startswith("lora_")}
 
   def run(x, p, i):
     # The LoRA pool is indexed by layer inside its ops, never sliced per layer: a scanned
-    # slice of it was copied whole every layer (measured: +15-20 ms per step at 8 slots).
+    # slice of it is a copy of the whole pool every layer (docs/design.md).
     if lora is not None:
       p = linear.with_adapters(p, lora, i, index)
-    return layer(x, p, i, cfg, rope_for(i), pool, batch, attn_shape, backend, window_for(i))
+    return layer(x, p, i, cfg, rope_at(cfg, tables, i), pool, batch, attn_shape, backend,
+                 window_at(cfg, i))
 
   # each weight in the form that serves this step's rows (static), before the scan: the
   # forms it does not use are then no scanned input
@@ -88,7 +100,7 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
 
       def body(x, xs):
         p, i = xs
-        x, k, v = run(x, dict(p, **{n: w.at(i) for n, w in in_place.items()}), i)
+        x, k, v = run(x, dict(p, **linear.in_place_at(in_place, i)), i)
         return x, (k, v)
 
       x, (ks, vs) = jax.lax.scan(body, x, (scanned, jnp.arange(L, dtype=jnp.int32)))

@@ -46,7 +46,7 @@ class RequestChecks:
     return ids
 
   def grammar_compiler(self):
-    """The structured-output compiler for this engine's tokenizer (built once, ~0.3 s)."""
+    """The structured-output compiler for this engine's tokenizer (built once)."""
     with self._grammars_lock:
       if self._grammars is None:
         from jaxinfer.structured import GrammarCompiler

@@ -57,9 +57,9 @@ def compiler_options(unrolled: bool) -> dict:
 def argmax(x):
   """jnp.argmax over the last axis of [S, V] (the first index of each row's maximum), in
   groups of 128 columns: each group's max, the first group holding the row's max, then the
-  first index inside it. XLA:CPU runs argmax's variadic reduction about 10x slower than a
-  max: over [64, 49152] logits 7.9 ms against 0.67 ms this way. (A NaN row, which the
-  engine fails by its non-finite logprob, may get another index than jnp.argmax's.)"""
+  first index inside it, because XLA:CPU runs argmax's variadic reduction far slower than
+  a max (docs/design.md, the sampler). (A NaN row, which the engine fails by its
+  non-finite logprob, may get another index than jnp.argmax's.)"""
   S, V = x.shape
   B = next((b for b in (128, 64, 32, 16, 8) if V % b == 0 and V > b), None)
   if B is None:

@@ -3,7 +3,7 @@
 XLA:CPU has no way to read a page table inside a fused loop: every form of paged decode
 attention written in XLA ops gathers each block of pages into a fresh buffer, masks it
 and reduces it with separate fusions, so each KV byte crosses memory 3-4 times
-(measured: 5x the KV bandwidth floor at batch 16, context 4096). `decode.cc` reads
+(docs/design.md, the native CPU backend). `decode.cc` reads
 the pages where they lie, once, in an XLA FFI handler that runs on XLA's own intra-op
 thread pool.
 

@@ -375,8 +375,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   a.row_items = (a.N + kRowsPerItem - 1) / kRowsPerItem;
   sh->items = a.x_blocks * a.row_items;
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
-  // Few items (K and V projections: 192 rows = 6 items) split unevenly between threads;
-  // measured slower with helpers at batch 4 (see block_codec.py / gguf.py).
+  // Few items (K and V projections: 192 rows = 6 items) split unevenly between threads,
+  // so small calls stay on the calling thread (gguf.py's MIN_PARALLEL_MACS).
   const bool parallel = a.M * a.N * a.K >= min_parallel_macs && sh->items >= kMinParallelItems;
   jaxinfer::RunItems(pool, sh, sh->items, parallel, a.M, Drain);
   return ffi::Error::Success();

@@ -7,12 +7,11 @@ by the layer scan, which XLA:CPU does by copying every layer's weights on every 
   Tiles   bf16 weights in AMX's tile layout, run on AMX or AVX512-BF16 (tiles.py)
   Blocks  a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (gguf.py) for steps of up to
           GGUF_MAX_ROWS rows, its dense copy for larger ones (`for_rows`)
-  Half    bf16 weights XLA multiplies itself: held as uint16 bit patterns in the stack
-          (XLA:CPU copies a bf16 slice element by element through float32: 30 slices of a
-          576 x 1536 stack and their dots took 56 ms, as uint16 8.9 ms) and padded to
-          HALF_MIN_ROWS rows (XLA:CPU runs a bf16 dot of fewer rows as a matrix-vector
-          product that first converts the whole weight to float32: a 576 x 49152 LM head
-          took 37 ms at one row)
+  Half    bf16 weights XLA multiplies itself: held as uint16 bit patterns in the stack,
+          because XLA:CPU copies a scanned bf16 slice element by element through float32,
+          and padded to HALF_MIN_ROWS rows, because it runs a bf16 dot of fewer rows as a
+          matrix-vector product that first converts the whole weight to float32 (both
+          measured in docs/design.md)
 Products of the packed forms take float32 inputs; Tiles and Half make the model's
 activations float32 (`activation_dtype`), which XLA:CPU computes through float32 anyway.
 """
