@@ -218,3 +218,24 @@ def test_sliding_window_and_soft_cap_match_reference(window, softcap):
     np.testing.assert_allclose(wide, plain, rtol=1e-6, atol=1e-6)
     if window == 7:
       assert np.linalg.norm(ref - plain) > 1e-3 * np.linalg.norm(plain)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_slots_run_in_query_chunks(monkeypatch, window):
+  """Prefill slots longer than a query chunk (8 rows here): each chunk reads its slot's
+  new tokens causally up to itself, then the cached blocks, in one online softmax; slot
+  lengths off chunk edges, one with nothing cached, a bucket Q (40) past every slot's
+  length, so whole chunks of rows are padding and never run."""
+  monkeypatch.setattr(xla, "PREFILL_QUERY_CHUNK", 8)
+  rng = np.random.default_rng(11)
+  reqs = [(30, 1), (0, 20), (45, 17), (9, 3)]
+  args = make_case(rng, "f32", 8, 9, 3, 64, reqs)
+  w = None if window is None else jnp.int32(window)
+  for Q in (20, 40):
+    kw = dict(max_query_len=Q, num_prefill_slots=3)
+    ref = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
+        *a[:-1], window=a[-1], **kw))(*args, w))
+    out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
+        *a[:-1], window=a[-1], block_pages=2, **kw))(*args, w))
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5, (Q, window)

@@ -52,8 +52,13 @@ SLOT_BLOCK_TOKENS = 1024
 # Up to this many decode slots dots beat multiply-and-reduce (measured: R=1 at 1024
 # context 16.6 vs 21.9 ms over 30 layers; R=4: 47 vs 39 ms).
 MAX_DOT_FORM_SLOTS = 2
-# Prefill blocks: score elements [K, R, Q, G, block] per block at most.
-PREFILL_BLOCK_SCORES = 1 << 21
+# Prefill blocks: score elements [K, R, Q, G, block] per block at most, and tokens per
+# slot per block at most (the block's scores stay in cache, and a short context does not
+# pay for a long block; docs/design.md, "prefill attention blocks").
+PREFILL_BLOCK_SCORES = 1 << 19
+PREFILL_SLOT_BLOCK_TOKENS = 256
+# Query rows of a prefill slot per chunk (prefill_attention).
+PREFILL_QUERY_CHUNK = 128
 
 
 def block_pages_for(num_slots: int, page_size: int, pages: int, rows_per_slot: int = 1) -> int:
@@ -61,7 +66,8 @@ def block_pages_for(num_slots: int, page_size: int, pages: int, rows_per_slot: i
   PREFILL_BLOCK_SCORES scores when each slot has rows_per_slot query rows)."""
   per_slot = min(BLOCK_TOKENS // num_slots, SLOT_BLOCK_TOKENS)
   if rows_per_slot > 1:
-    per_slot = min(per_slot, PREFILL_BLOCK_SCORES // (num_slots * rows_per_slot))
+    per_slot = min(per_slot, PREFILL_SLOT_BLOCK_TOKENS,
+                   PREFILL_BLOCK_SCORES // (num_slots * rows_per_slot))
   return max(1, min(pages, per_slot // page_size))
 
 
@@ -183,59 +189,87 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
   return o.transpose(1, 0, 2, 3).reshape(R, N, H)
 
 
+def _online_softmax(carry, s, valid, v):
+  """One block of keys into a running softmax (m, l, o) over [K, R, C, G] query rows:
+  s [K, R, C, G, S] scores, valid broadcastable to them, v [K, R, S, H] (zero where no
+  query reads it)."""
+  m, l, o = carry
+  s = jnp.where(valid, s, _NEG)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  pv = jnp.einsum("krqgs,krsh->krqgh", p, v)
+  return m_new, l * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
+
+
 def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
-                      cached_len, Q, scale, block_pages=None, window=None, softcap=None):
-  """Slots of up to Q new tokens each (as reference.attend_group): the new tokens
-  causally, then the cached pages in blocks up to the longest real context.
-  Returns (out [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
+                      cached_len, Q, scale, block_pages=None, window=None, softcap=None,
+                      query_chunk=None):
+  """Slots of up to Q new tokens each (as reference.attend_group), in chunks of
+  `query_chunk` query rows (default PREFILL_QUERY_CHUNK) up to the longest real
+  query_len: each chunk reads its slot's new tokens causally up to itself, then the
+  cached pages in blocks up to the longest real context, all in one online softmax. The
+  work therefore follows the real tokens, not the bucket's Q (a slot padded from 100 to
+  256 rows costs 100 rows' work). Returns (out [R, Q, N, H], flat token index [R, Q] or
+  T where invalid)."""
   T, N, H = q.shape
-  G = N // k_new.shape[1]
+  K = k_new.shape[1]
+  G = N // K
   R = page_table.shape[0]
   fmt = kv_codec.get_format(kv_codec.pool_format(pool))
   ps = pool["k"].shape[3]
   cdt = jnp.float32
   qpos, qvalid, qr, kn, vn = reference.gather_queries(q, k_new, v_new, query_start,
                                                       query_len, Q, scale)
-
-  # The slot's own new tokens, causally: they start the online softmax.
-  s_n = common.soft_cap(jnp.einsum("krqgh,krjh->krqgj", qr, kn), softcap)  # [K, R, Q, G, Q]
-  causal = (qpos[:, None] >= qpos[None, :]) & common.in_window(qpos[None, :], qpos[:, None],
-                                                                window)
-  m_n = (causal[None] & qvalid[:, None, :])[None, :, :, None, :]
-  s_n = jnp.where(m_n, s_n, _NEG)
-  m = jnp.max(s_n, axis=-1)  # [K, R, Q, G]
-  p_n = jnp.where(m_n, jnp.exp(s_n - m[..., None]), 0.0)
-  l = jnp.sum(p_n, axis=-1)
-  o = jnp.einsum("krqgj,krjh->krqgh", p_n, vn)
-
+  C = min(Q, query_chunk or PREFILL_QUERY_CHUNK)
+  Qc = -(-Q // C) * C
+  if Qc > Q:  # whole chunks: the padded rows are invalid queries and keys
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Qc - Q), (0, 0), (0, 0)))
+    kn, vn = (jnp.pad(x, ((0, 0), (0, 0), (0, Qc - Q), (0, 0))) for x in (kn, vn))
   if block_pages is None:
-    block_pages = block_pages_for(R, ps, page_table.shape[1], rows_per_slot=Q * G)
+    block_pages = block_pages_for(R, ps, page_table.shape[1], rows_per_slot=C * G)
   pt, B, block, num_blocks = _blocks(page_table, cached_len, block_pages, ps)
+  qlen = query_len[:, None, None]  # [R, 1, 1]
+  rows = jnp.arange(C, dtype=jnp.int32)
 
-  def body(b, carry):
-    m, l, o = carry
-    pages = jax.lax.dynamic_slice_in_dim(pt, b * B, B, axis=1)  # [R, B]
-    kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
-    pos = b * block + jnp.arange(block, dtype=jnp.int32)
-    cached = pos[None, :] < cached_len[:, None]  # [R, block]
-    qabs = cached_len[:, None] + qpos[None, :]  # [R, Q]
-    valid = cached[:, None, :] & common.in_window(pos[None, None, :], qabs[:, :, None], window)
-    valid = jnp.broadcast_to(valid, (R, Q, block))[None, :, :, None, :]  # [1, R, Q, 1, block]
-    s = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qr, kc), softcap)
-    s = jnp.where(valid, s, _NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-    alpha = jnp.exp(m - m_new)
-    # stale pages may hold NaN, and so may the page a released entry (behind the window)
-    # reads: keys no query of the slot reads are zeroed
-    read = cached & common.in_window(pos[None, :], cached_len[:, None], window)
-    vc = jnp.where(read[None, :, :, None], vc, 0.0)
-    pv = jnp.einsum("krqgs,krsh->krqgh", p, vc)
-    return m_new, l * alpha + jnp.sum(p, axis=-1), o * alpha[..., None] + pv
+  def chunk(i, out):
+    qi = jax.lax.dynamic_slice_in_dim(qr, i * C, C, axis=2)  # [K, R, C, G, H]
+    qp = i * C + rows  # the chunk's positions among the slot's new tokens
+    start = (jnp.full((K, R, C, G), _NEG, cdt), jnp.zeros((K, R, C, G), cdt),
+             jnp.zeros((K, R, C, G, H), cdt))
 
-  m, l, o = jax.lax.fori_loop(0, num_blocks, body, (m, l, o))
-  o = o / jnp.maximum(l, 1e-30)[..., None]
-  o = o.transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
+    def new_keys(j, carry):  # the slot's own new tokens, causally
+      kj = jax.lax.dynamic_slice_in_dim(kn, j * C, C, axis=2)  # [K, R, C, H]
+      vj = jax.lax.dynamic_slice_in_dim(vn, j * C, C, axis=2)
+      kp = j * C + rows
+      valid = ((kp[None, None, :] <= qp[None, :, None]) & (kp[None, None, :] < qlen)
+               & common.in_window(kp[None, None, :], qp[None, :, None], window))  # [R, C, C]
+      s = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qi, kj), softcap)
+      return _online_softmax(carry, s, valid[None, :, :, None, :], vj)
+
+    def cached_keys(b, carry):
+      pages = jax.lax.dynamic_slice_in_dim(pt, b * B, B, axis=1)  # [R, B]
+      kc, vc = _gather_block(pool, fmt, layer, pages, cdt)  # [K, R, block, H]
+      pos = b * block + jnp.arange(block, dtype=jnp.int32)
+      cached = pos[None, :] < cached_len[:, None]  # [R, block]
+      qabs = cached_len[:, None] + qp[None, :]  # [R, C]
+      valid = cached[:, None, :] & common.in_window(pos[None, None, :], qabs[:, :, None],
+                                                    window)  # [R, C, block]
+      # stale pages may hold NaN, and so may the page a released entry (behind the window)
+      # reads: keys no query of the slot reads are zeroed
+      read = cached & common.in_window(pos[None, :], cached_len[:, None], window)
+      vc = jnp.where(read[None, :, :, None], vc, 0.0)
+      s = common.soft_cap(jnp.einsum("krqgh,krsh->krqgs", qi, kc), softcap)
+      return _online_softmax(carry, s, valid[None, :, :, None, :], vc)
+
+    carry = jax.lax.fori_loop(0, i + 1, new_keys, start)
+    _, l, o = jax.lax.fori_loop(0, num_blocks, cached_keys, carry)
+    o = o / jnp.maximum(l, 1e-30)[..., None]
+    return jax.lax.dynamic_update_slice_in_dim(out, o, i * C, axis=2)
+
+  num_chunks = (jnp.max(query_len) + C - 1) // C
+  out = jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros((K, R, Qc, G, H), cdt))
+  o = out[:, :, :Q].transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
   flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
   return o, flat
 
