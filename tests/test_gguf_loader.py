@@ -109,6 +109,8 @@ def test_weights_with_nan_are_rejected_naming_the_tensor(tmp_path, no_tokenizer)
     f.write(np.full(8, np.nan, np.float32).tobytes())
   with pytest.raises(ModelLoadError, match=r"weight .*up.* holds NaN or Inf"):
     load_model(path, cache_dir=str(tmp_path / "cache"))
+  # checked before the cache is written: a restore trusts the cache's checksum alone
+  assert not list((tmp_path / "cache").rglob("params.*"))
 
 
 def test_damaged_converted_cache_is_converted_again(tmp_path, caplog, no_tokenizer):

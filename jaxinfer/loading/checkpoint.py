@@ -1,9 +1,16 @@
-"""Save / restore converted params with orbax-checkpoint, so a second load is fast.
+"""Save / restore converted params, so a second load is fast.
 
-A checkpoint directory holds the params (stacked-layer layout, compute dtype) under
-`params/`, the ModelConfig as `model_config.json` and `checksum`: a JSON object with the
-CRC-32 of every tensor's bytes, their dtype and the SHA-256 of model_config.json, so an
-edited config or an overwritten tensor is caught before the weights are used.
+A checkpoint directory holds the params (stacked-layer layout, compute dtype), the
+ModelConfig as `model_config.json` and `checksum`: a JSON object with the CRC-32 of every
+tensor's bytes, their dtype and the SHA-256 of model_config.json, so an edited config or
+an overwritten tensor is caught before the weights are used. The params are stored in
+one of two layouts:
+- `params/`: an orbax-checkpoint (a user's checkpoint: `save_checkpoint`, the draft
+  trainer), restorable sharded and cast by orbax;
+- `params.bin` + `params.json` (flat=True: the converted-weight cache): every tensor's
+  bytes one after another, 64-byte aligned, and their names, dtypes, shapes and offsets.
+  A restore maps the file and hands the tensors to the device (a warm start read
+  SmolLM2's 513 MB through orbax in 1.4-1.7 s; docs/design.md, start-up).
 """
 from __future__ import annotations
 
@@ -33,17 +40,26 @@ def params_checksum(params) -> str:
   return f"{crc:08x}"
 
 
-def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str = "") -> None:
-  """tokenizer_source: a .gguf file or HF directory whose tokenizer the model uses."""
-  import orbax.checkpoint as ocp
+FLAT_DATA, FLAT_INDEX = "params.bin", "params.json"
+_ALIGN = 64
+
+
+def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str = "",
+                    flat: bool = False) -> None:
+  """tokenizer_source: a .gguf file or HF directory whose tokenizer the model uses.
+  flat: the params in the flat layout (module docstring) instead of orbax's."""
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
   from jaxinfer.model.params import stack_layers
-  ckpt = ocp.StandardCheckpointer()
   # the GGUF block weights (weight_format="gguf") are read from their file again, not saved
   params = stack_layers({k: v for k, v in params.items() if k != "blocks"})
-  ckpt.save(os.path.join(path, "params"), params, force=True)
-  ckpt.wait_until_finished()
+  if flat:
+    _save_flat(path, params)
+  else:
+    import orbax.checkpoint as ocp
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(path, "params"), params, force=True)
+    ckpt.wait_until_finished()
   dtype = params["embed"].dtype
   with open(os.path.join(path, "model_config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -55,9 +71,62 @@ def save_checkpoint(path: str, params, cfg: ModelConfig, tokenizer_source: str =
       f.write(os.path.abspath(tokenizer_source))
 
 
+def _save_flat(path: str, params) -> None:
+  import jax
+  import numpy as np
+  index, offset = [], 0
+  with open(os.path.join(path, FLAT_DATA), "wb") as f:
+    for key, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+      a = np.ascontiguousarray(np.asarray(a))
+      pad = -offset % _ALIGN
+      f.write(b"\0" * pad)
+      offset += pad
+      index.append({"name": jax.tree_util.keystr(key), "dtype": str(a.dtype),
+                    "shape": list(a.shape), "offset": offset})
+      f.write(memoryview(a.reshape(-1).view(np.uint8)))
+      offset += a.nbytes
+  with open(os.path.join(path, FLAT_INDEX), "w") as f:
+    json.dump(index, f)
+
+
+def _read_flat(path: str, cfg: ModelConfig, dtype):
+  """The flat layout's tensors as host arrays mapped from params.bin, in the tree of
+  abstract_params(cfg, dtype) (their stored dtype). ModelLoadError on a missing, extra,
+  misshapen or truncated tensor."""
+  import jax
+  import numpy as np
+  from jaxinfer.model.params import abstract_params
+  specs, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, dtype))
+  try:
+    with open(os.path.join(path, FLAT_INDEX)) as f:
+      index = {e["name"]: e for e in json.load(f)}
+    data = np.memmap(os.path.join(path, FLAT_DATA), np.uint8, mode="r")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ModelLoadError(f"checkpoint {path!r}: unreadable {FLAT_INDEX} / {FLAT_DATA} "
+                         f"({e})") from None
+  names = [jax.tree_util.keystr(k) for k, _ in specs]
+  if set(index) != set(names):
+    raise ModelLoadError(f"checkpoint {path!r} holds tensors {sorted(set(index) ^ set(names))} "
+                         "where the model has others")
+  leaves = []
+  for name, (_, spec) in zip(names, specs):
+    e = index[name]
+    shape, dt = tuple(e["shape"]), jax.numpy.dtype(e["dtype"])
+    if shape != tuple(spec.shape):
+      raise ModelLoadError(f"checkpoint {path!r}: tensor {name} has shape {shape}, the "
+                           f"model's is {tuple(spec.shape)}")
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if e["offset"] + n > data.size:
+      raise ModelLoadError(f"checkpoint {path!r}: {FLAT_DATA} is truncated ({data.size} "
+                           f"bytes; tensor {name} ends at {e['offset'] + n})")
+    leaves.append(data[e["offset"]:e["offset"] + n].view(dt).reshape(shape))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def is_checkpoint(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, "model_config.json")) and os.path.isdir(
-      os.path.join(path, "params"))
+  return os.path.isfile(os.path.join(path, "model_config.json")) and (
+      os.path.isdir(os.path.join(path, "params"))
+      or os.path.isfile(os.path.join(path, FLAT_DATA)))
 
 
 def load_checkpoint_config(path: str) -> ModelConfig:
@@ -105,11 +174,10 @@ def restore_checkpoint(path: str, dtype, require_checksum: bool = False):
   require_checksum (the converted-weight cache, which can rebuild an entry): a missing or
   malformed record, or one without the config's hash, is a ModelLoadError; otherwise (a
   user's checkpoint) a missing record is only a warning."""
-  import orbax.checkpoint as ocp
-  from jaxinfer.model.params import abstract_params
   path = os.path.abspath(path)
   if not is_checkpoint(path):
-    raise ModelLoadError(f"{path!r} is not a jaxinfer checkpoint (no model_config.json/params)")
+    raise ModelLoadError(f"{path!r} is not a jaxinfer checkpoint (no model_config.json "
+                         f"with params/ or {FLAT_DATA})")
   rec = None
   if require_checksum or os.path.exists(os.path.join(path, "checksum")):
     rec = read_checksum(path)
@@ -123,15 +191,23 @@ def restore_checkpoint(path: str, dtype, require_checksum: bool = False):
       raise ModelLoadError(f"checkpoint {path!r} is damaged: model_config.json changed since "
                            f"the weights were saved (SHA-256 {got[:16]}..., saved "
                            f"{rec['config_sha256'][:16]}...)")
+  import jax
   cfg = load_checkpoint_config(path)
-  ckpt = ocp.StandardCheckpointer()
-  params = ckpt.restore(os.path.join(path, "params"), abstract_params(cfg, dtype))
+  flat = os.path.isfile(os.path.join(path, FLAT_DATA))
+  if flat:  # host arrays mapped from the file: checked before they reach the device
+    params = _read_flat(path, cfg, dtype)
+  else:
+    import orbax.checkpoint as ocp
+    from jaxinfer.model.params import abstract_params
+    ckpt = ocp.StandardCheckpointer()
+    params = ckpt.restore(os.path.join(path, "params"), abstract_params(cfg, dtype))
   if rec is not None:
-    import jax
     want = rec["params_crc32"]
     restored = jax.tree_util.tree_leaves(params)[0].dtype
     got = params_checksum(params) if str(restored) == rec["dtype"] else want  # cast: skip
     if got != want:
       raise ModelLoadError(f"checkpoint {path!r} is damaged: its weights' checksum is {got}, "
                            f"the one saved with them {want}")
+  if flat:
+    params = jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a, dtype), params)
   return params, cfg

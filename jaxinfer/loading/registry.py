@@ -62,8 +62,9 @@ def resolve_model(model: str) -> str:
       f"unknown model {model!r}: not a known name ({sorted(MODEL_CONFIGS)}) and no such path")
 
 
-# Bump when the params pytree changes shape or names, so stale converted caches are not used.
-PARAMS_LAYOUT_VERSION = 1
+# Bump when the params pytree or its stored layout changes, so stale converted caches are
+# not used (2: the flat layout).
+PARAMS_LAYOUT_VERSION = 2
 
 
 def cache_key(path: str, label: str) -> str:
@@ -102,7 +103,7 @@ def publish_dir(out_dir: str, write, complete) -> None:
 
 def _save_converted(ckpt_dir: str, params, cfg) -> None:
   from jaxinfer.loading import checkpoint
-  publish_dir(ckpt_dir, lambda tmp: checkpoint.save_checkpoint(tmp, params, cfg),
+  publish_dir(ckpt_dir, lambda tmp: checkpoint.save_checkpoint(tmp, params, cfg, flat=True),
               checkpoint.is_checkpoint)
 
 
@@ -170,8 +171,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
 
   scan_layers: stacked layer weights for `lax.scan` (fast compile) instead of a list of
   per-layer weights (fast run on XLA:CPU; see the model issue's note).
-  A converted GGUF is saved as an orbax checkpoint under `cache_dir` and restored from it
-  the next time (use_cache=False skips that).
+  A converted GGUF is saved as a checkpoint (its flat layout) under `cache_dir` and
+  restored from it the next time (use_cache=False skips that).
   """
   from jaxinfer.loading import checkpoint, gguf_loader, safetensors_loader, tokenizer as tok
   from jaxinfer.model.params import stack_layers, unstack_layers
@@ -198,8 +199,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
       log.warning("%s has no tokenizer.json: prompts must be given as token ids", path)
   elif path.endswith(".gguf"):
     ckpt_dir = os.path.join(cache_dir or default_cache_dir(), cache_key(path, dtype))
-    if jax.process_count() > 1:  # orbax saves and restores collectively across a
-      use_cache = False  # jax.distributed job; each process converts the GGUF itself
+    if jax.process_count() > 1:  # each process of a jax.distributed job converts the
+      use_cache = False  # GGUF itself (a cache shared by its processes is not tried)
     # The tokenizer of a file converted before is cached beside its weights, so a warm
     # start never parses the GGUF's metadata (docs/design.md, start-up)
     tok_dir = ckpt_dir + ".tokenizer"
@@ -218,10 +219,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     params, checked = None, False
     if use_cache and checkpoint.is_checkpoint(ckpt_dir):
       try:
+        # the checksum proves the bytes are those saved, which were checked finite first
         params, cfg = checkpoint.restore_checkpoint(ckpt_dir, jdtype, require_checksum=True)
-        bad = non_finite_weight(params)
-        if bad:
-          raise ValueError(f"weight {bad} holds NaN or Inf")
         checked = True
         log.info("restored converted weights from %s", ckpt_dir)
       except Exception as e:  # noqa: BLE001 -- any damage (missing key, truncated or
@@ -232,6 +231,11 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     if params is None:
       raw, cfg, _ = gguf_loader.load_gguf(path, name)
       params = _to_device(raw, jdtype)
+      bad = non_finite_weight(params)
+      if bad:
+        raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
+                             "damaged (it would generate NaN logits)")
+      checked = True
       if use_cache:
         if os.path.isdir(ckpt_dir):  # the damaged entry found above
           import shutil
