@@ -176,12 +176,13 @@ def _lora_flags() -> dict:
   return out
 
 
-def _make_llm(buckets, max_num_seqs=None, structured_output=False):
+def _make_llm(buckets, max_num_seqs=None, structured_output=False, warmup=None):
   from jaxinfer.llm import LLM
   try:
     config = engine_config.from_flags(
         FLAGS, buckets=buckets, max_num_seqs=max_num_seqs or FLAGS.max_num_seqs,
-        structured_output=structured_output, lora_adapters=_lora_flags())
+        structured_output=structured_output, lora_adapters=_lora_flags(),
+        warmup=FLAGS.warmup if warmup is None else warmup)
   except ValueError as e:
     _usage_error(str(e))
   return LLM(FLAGS.model, config)
@@ -231,12 +232,16 @@ def _generate():
     _usage_error("--stream prints one answer as it is produced: give one --prompt")
   # A batch never runs more requests than it has prompts: the table (and its warm-up)
   # need no larger request buckets unless --max_num_seqs says otherwise.
+  # A one-shot job compiles (or reloads from the persistent cache) only the shapes it
+  # runs, at their first step, unless --warmup is given (docs/design.md, start-up).
+  warmup = bool(FLAGS["warmup"].present) and FLAGS.warmup
   llm = _make_llm(buckets, None if FLAGS["max_num_seqs"].present else min(
-      len(prompts), FLAGS.max_num_seqs), structured_output=sps[0].constraint is not None)
+      len(prompts), FLAGS.max_num_seqs), structured_output=sps[0].constraint is not None,
+      warmup=warmup)
   t_load = time.perf_counter() - t0
   load = (f"load {t_load - llm.warmup_s:.1f}s + warm-up {llm.warmup_s:.1f}s"
-          if FLAGS.warmup else f"load {t_load:.1f}s")
-  comp = "" if FLAGS.warmup else " (includes compilation)"
+          if warmup else f"load {t_load:.1f}s")
+  comp = "" if warmup else " (includes compilation)"
   t1 = time.perf_counter()
   msgs = (lambda p: ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
           [{"role": "user", "content": p}])

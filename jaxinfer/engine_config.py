@@ -72,7 +72,9 @@ class EngineConfig:
                                   "(8.6.1; serve: HTTP 503)")
   warmup: bool = _opt(True, "compile every bucket shape before the first request (the "
                       "persistent compilation cache reloads them after the first run; "
-                      "--nowarmup compiles each shape the first time a step needs it)")
+                      "--nowarmup compiles each shape the first time a step needs it, "
+                      "which `generate` does unless --warmup is given: a one-shot job "
+                      "compiles only the shapes it runs)")
   structured_output: bool = _opt(
       False, "the warm-up also compiles each shape's token-masked variant, so constrained "
       "requests never compile mid-traffic (they work without it)")
