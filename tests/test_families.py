@@ -282,3 +282,42 @@ def test_pages_behind_a_sliding_window_are_released(tmp_path_factory):
   print("window release: (most pages held, preemptions) by window:", runs)
   assert runs[WINDOW][0] <= WINDOW // 8 + 2, runs
   assert runs[WINDOW][1] < runs[0][1], runs
+
+
+def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
+  """Mistral (window 16 in every layer, pages of 8), admission reserving to the end of
+  generation: a request of 40 + 24 tokens needs 8 pages with full attention, but with its
+  pages behind the window released it reserves only what it can hold during a step,
+  (window + chunk - 1) / page + 2 = 5, and holds window / page + 1 = 3 between steps; a
+  pool of 20 pages then runs all four requests at once instead of two, without a
+  preemption, and the greedy tokens equal HF's."""
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  from jaxinfer.runtime.pages import HOLE
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  d, hf = _hf_dir("mistral", tmp_path_factory)
+  m = load_model(d, "float32")
+  prompts = [_prompt(20 + i) for i in range(4)]
+  want = [_hf_greedy(hf, p, 24) for p in prompts]
+  sp = SamplingParams(max_tokens=24, ignore_eos=True)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      query_sizes=(1, 16))
+  runs = {}
+  for window in (WINDOW, 0):
+    llm = LLM.from_loaded(m, warmup=False, num_pages=20, page_size=8, buckets=table,
+                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve="end",
+                                                    window=window))
+    eng = llm.engine
+    reqs = [eng.add_request(p, sp) for p in prompts]
+    running = held = 0
+    while eng.has_unfinished():
+      eng.step()
+      running = max(running, len(eng.scheduler.running))
+      for r in reqs:
+        if eng.pm.has(r.request_id):
+          held = max(held, sum(p != HOLE for p in eng.pm.page_table(r.request_id)))
+      eng.pm.check_invariants()
+    assert [r.output_token_ids for r in reqs] == want, window
+    runs[window] = (running, held, eng.scheduler.num_preemptions)
+  print("admission with a window: (most running, most pages held, preemptions):", runs)
+  assert runs[WINDOW] == (4, WINDOW // 8 + 1, 0) and runs[0] == (2, 8, 0), runs

@@ -50,6 +50,27 @@ def test_reservation_refuses_without_side_effects():
   pm.check_invariants()
 
 
+def test_a_window_bound_caps_the_reservation_and_renews_it_as_pages_are_released():
+  """A sequence bounded to 3 pages (a sliding window) reserves 3 of the 10 its tokens
+  would fill; each page released behind the window that returns to the free list is
+  promised to it again, one still read by a step in flight or held by the cache is not."""
+  from jaxinfer.runtime.pages import HOLE
+  pm = PageManager(8, 4)
+  assert pm.add_sequence("a", reserve_tokens=40, bound_pages=3)
+  assert pm.num_available == 5
+  assert pm.grow("a", 12) == [] and pm.num_available == 5  # 3 pages, from the reserve
+  assert pm.release_before("a", 4) == 1  # page 0: free again, and a's again
+  assert pm.page_table("a")[0] == HOLE and pm.num_available == 5
+  assert pm.grow("a", 16) == [] and pm.num_available == 5
+  pm.incref([pm.page_table("a")[1]])  # the prefix cache holds page 1
+  step = pm.begin_step(["a"])
+  assert pm.release_before("a", 12) == 2  # page 1 cached, page 2 read in flight
+  assert pm.num_available == 5  # nothing freed: nothing promised again
+  pm.complete_step(step)
+  assert pm.num_available == 6  # page 2 came back to the free list, unpromised
+  pm.check_invariants(extra_refs={1: 1})
+
+
 def test_fork_copy_on_write_of_partial_tail_only():
   """8.3.2: branches share full pages; a write into a shared partial tail copies it."""
   pm = PageManager(16, 4)

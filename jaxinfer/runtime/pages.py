@@ -38,6 +38,7 @@ class SeqPages:
   num_tokens: int = 0  # tokens whose K/V are (or are being) written
   reserved: int = 0  # pages promised to this sequence, not yet taken from the free list
   released: int = 0  # leading pages released (HOLE in `pages`)
+  bound: int = 0  # most pages held + reserved at once (a sliding window's bound; 0: none)
 
 
 # A page-table entry whose page was released: every token in it lies behind the model's
@@ -107,23 +108,33 @@ class PageManager:
   def can_add(self, reserve_tokens: int, num_shared_pages: int = 0) -> bool:
     return self.pages_for(reserve_tokens) - num_shared_pages <= self.num_available
 
+  def reserve_pages(self, reserve_tokens: int, bound_pages: int = 0) -> int:
+    """Pages a sequence reserving `reserve_tokens` holds at most: all of them, or
+    `bound_pages` when a sliding window releases pages behind it as it advances."""
+    n = self.pages_for(reserve_tokens)
+    return min(n, bound_pages) if bound_pages else n
+
   def add_sequence(self, seq_id, shared_pages: Iterable[int] = (), num_shared_tokens: int = 0,
-                   reserve_tokens: int = 0) -> bool:
+                   reserve_tokens: int = 0, bound_pages: int = 0) -> bool:
     """Start a sequence whose first pages are `shared_pages` (a prefix-cache hit holding
     `num_shared_tokens` tokens) and reserve pages for `reserve_tokens` tokens in total
-    (8.1: admission reserves the KV needed at the end of generation). False if they
-    don't fit; nothing changes then."""
+    (8.1: admission reserves the KV needed at the end of generation). bound_pages (a
+    sliding window): the sequence never holds more pages at once, so it reserves at most
+    that many, and each page it releases behind the window that returns to the free list
+    is promised to it again (release_before). False if they don't fit; nothing changes
+    then."""
     if seq_id in self._seqs:
       raise KeyError(f"sequence {seq_id!r} already exists")
     shared = list(shared_pages)
     if num_shared_tokens > len(shared) * self.page_size:
       raise ValueError("num_shared_tokens exceeds the shared pages' capacity")
-    need = max(self.pages_for(reserve_tokens) - len(shared), 0)
+    need = max(self.reserve_pages(reserve_tokens, bound_pages) - len(shared), 0)
     if need > self.num_available:
       return False
     for p in shared:
       self._incref(p)
-    self._seqs[seq_id] = SeqPages(pages=shared, num_tokens=num_shared_tokens, reserved=need)
+    self._seqs[seq_id] = SeqPages(pages=shared, num_tokens=num_shared_tokens, reserved=need,
+                                  bound=bound_pages)
     self._reserved_total += need
     return True
 
@@ -144,12 +155,19 @@ class PageManager:
     many were released."""
     s = self._seqs[seq_id]
     upto = min(max(first_needed, 0) // self.page_size, len(s.pages) - 1)
-    n = 0
+    n = freed = 0
     for j in range(s.released, upto):
-      self._decref(s.pages[j])
+      p = s.pages[j]
+      self._decref(p)
+      freed += p in self._free  # not still read by a step in flight, nor cached
       s.pages[j] = HOLE
       n += 1
     s.released = max(s.released, upto)
+    if s.bound and freed:  # keep the window's promise: what it gave back is its again
+      live = sum(p != HOLE for p in s.pages)
+      add = min(freed, max(s.bound - live - s.reserved, 0))
+      s.reserved += add
+      self._reserved_total += add
     return n
 
   def grow(self, seq_id, new_num_tokens: int) -> Optional[List[Copy]]:

@@ -355,9 +355,10 @@ class Scheduler:
       return False
 
     reserve = r.kv_tokens_at_end if cfg.reserve == "end" else hit + first_tokens(hit)
+    bound = self._window_pages(r)
     host = [n for n in nodes if not n.on_device]
     while True:
-      need = max(pm.pages_for(reserve) - len(nodes), 0) + len(host)
+      need = max(pm.reserve_pages(reserve, bound) - len(nodes), 0) + len(host)
       if need <= pm.num_available:
         break
       if self.cache is None or self.cache.evict(need - pm.num_available) == 0:
@@ -372,7 +373,8 @@ class Scheduler:
         for h in self.reservers[:i]:
           h.release(r)
         return give_up()
-    if not pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve):
+    if not pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve,
+                           bound_pages=bound):
       for h in self.reservers:
         h.release(r)
       return give_up()
@@ -540,6 +542,16 @@ class Scheduler:
           break
       emitted.append((r, count))
     return emitted
+
+  def _window_pages(self, r: Request) -> int:
+    """The most pages r holds at once when every layer has a sliding window (0: no
+    bound): the window behind its position plus the tokens one step writes (a chunk of
+    the chunked policy, else its whole prompt), each end on a page of its own."""
+    if not self.config.window:
+      return 0
+    cfg = self.config
+    step = min(cfg.chunk_size, cfg.token_budget) if cfg.policy == "chunked" else r.kv_tokens_at_end
+    return (cfg.window + step - 1) // self.pm.page_size + 2
 
   def _behind_window(self, r: Request) -> None:
     """Release the pages no later query of `r` reads: keys before the window of its next
