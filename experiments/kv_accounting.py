@@ -3,6 +3,15 @@
   python -m experiments.kv_accounting --lengths=9,13,5,15 --max_len=16 --page_size=4 --share=A,B,8
   python -m experiments.kv_accounting --branches=4 --prefix_pages=95 --private_pages=9 \
       --page_size=16
+  python -m experiments.kv_accounting --layer_windows=64 --prompt_len=512 --page_size=16
+  python -m experiments.kv_accounting --layer_windows=64,0 --prompt_len=512 --page_size=16
+
+Sliding windows (--layer_windows, a pattern repeated over the layers; 0: full attention):
+one request runs through the real PageManager, prefill in chunks of --step_tokens, then
+decode, releasing the pages wholly behind each window after every step; the layers of one
+window share page tables (a group). Printed per group: the most pages held between
+decode steps and during any step, beside the arithmetic (accounting.pages_held,
+step_pages_bound) and full attention.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import string
 from absl import app, flags
 
 from jaxinfer.costmodel import accounting
+from jaxinfer.runtime.pages import HOLE, PageManager
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
@@ -22,6 +32,13 @@ flags.DEFINE_multi_string("share", [], "X,Y,N: sequences X and Y share their fir
 flags.DEFINE_integer("branches", 0, "branching example: number of branches")
 flags.DEFINE_integer("prefix_pages", 95, "branching example: shared prefix pages")
 flags.DEFINE_integer("private_pages", 9, "branching example: private pages per branch")
+flags.DEFINE_list("layer_windows", [], "sliding windows: each layer's window in a pattern "
+                  "repeated over the layers (0: full attention), e.g. 64 (Mistral-style) or "
+                  "64,0 (Gemma-2-style)")
+flags.DEFINE_integer("num_layers", 0, "sliding windows: layers (0: the pattern's length)")
+flags.DEFINE_integer("prompt_len", 512, "sliding windows: prompt tokens")
+flags.DEFINE_integer("output_len", 128, "sliding windows: output tokens")
+flags.DEFINE_integer("step_tokens", 256, "sliding windows: prefill chunk (new tokens per step)")
 flags.DEFINE_bool("json", False, "emit JSON")
 
 
@@ -33,8 +50,79 @@ def _parse_share(s: str, names):
     raise app.UsageError(f"--share={s!r}: expected X,Y,N with X, Y among {names}") from None
 
 
+def window_groups(windows, prompt_len: int, output_len: int, step_tokens: int,
+                  page_size: int) -> list:
+  """One row per window in `windows` (each layer's, 0: full): one request run through a
+  PageManager of its own, chunked prefill then decode (K/V of L + G - 1 tokens), pages
+  behind the window released after every step; the most pages it held between decode
+  steps and during any step, beside the arithmetic."""
+  rows = []
+  end = prompt_len + output_len - 1
+  for w in sorted(set(windows), reverse=True):
+    pm = PageManager(accounting.pages_for(end, page_size) + 1, page_size)
+    pm.add_sequence("r")
+    tokens = step_most = decode_most = 0
+    while tokens < end:
+      n = min(step_tokens, prompt_len - tokens) if tokens < prompt_len else 1
+      assert pm.grow("r", tokens + n) is not None
+      live = lambda: sum(p != HOLE for p in pm.page_table("r"))  # noqa: E731
+      step_most = max(step_most, live())
+      tokens += n
+      if w:
+        pm.release_before("r", tokens - w + 1)
+      if tokens >= prompt_len:
+        decode_most = max(decode_most, live())
+    rows.append({"window": w, "layers": list(windows).count(w),
+                 "pages_held_in_decode": decode_most,
+                 "pages_held_in_a_step": step_most,
+                 "formula_held": max(accounting.pages_held(t, page_size, w)
+                                     for t in range(prompt_len, end + 1)),
+                 "formula_step": (min(accounting.step_pages_bound(w, step_tokens, page_size),
+                                      accounting.pages_for(end, page_size)) if w
+                                  else accounting.pages_for(end, page_size)),
+                 "full_attention_pages": accounting.pages_for(end, page_size)})
+  return rows
+
+
+def _main_windows():
+  pattern = [int(x) for x in FLAGS.layer_windows]
+  if any(w < 0 for w in pattern) or not pattern:
+    raise app.UsageError(f"--layer_windows must be integers >= 0, got {FLAGS.layer_windows}")
+  for name in ("prompt_len", "output_len", "step_tokens", "page_size"):
+    if getattr(FLAGS, name) < 1:
+      raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  L = FLAGS.num_layers or len(pattern)
+  windows = [pattern[i % len(pattern)] for i in range(L)]
+  rows = window_groups(windows, FLAGS.prompt_len, FLAGS.output_len, FLAGS.step_tokens,
+                       FLAGS.page_size)
+  mixed = len(set(windows)) > 1 and any(windows)
+  # The engine releases pages when every layer has one window; a mix needs page tables
+  # per layer group, which it does not keep yet (its pages then hold every layer).
+  for r in rows:
+    r["engine_releases"] = bool(r["window"]) and not mixed
+  total_layers = len(windows)
+  held = sum(r["pages_held_in_decode"] * r["layers"] for r in rows) / total_layers
+  full = rows[0]["full_attention_pages"]
+  out = {"layer_windows": windows, "page_size": FLAGS.page_size,
+         "prompt_len": FLAGS.prompt_len, "output_len": FLAGS.output_len,
+         "step_tokens": FLAGS.step_tokens, "groups": rows,
+         "kv_held_in_decode_vs_full_attention": held / full}
+  if FLAGS.json:
+    print(strict_json.dumps(out, indent=1))
+    return
+  cols = ["window", "layers", "pages_held_in_decode", "formula_held", "pages_held_in_a_step",
+          "formula_step", "full_attention_pages", "engine_releases"]
+  print(" ".join(f"{c:>21}" for c in cols))
+  for r in rows:
+    print(" ".join(f"{str(r[c]):>21}" for c in cols))
+  print(f"KV held in decode, all layers: {held:.1f} of {full} page-layers per layer "
+        f"({100 * held / full:.0f}% of full attention)")
+
+
 def main(argv):
   del argv
+  if FLAGS.layer_windows:
+    return _main_windows()
   if FLAGS.branches:
     rows = accounting.account_branches(FLAGS.branches, FLAGS.prefix_pages, FLAGS.private_pages,
                                        FLAGS.page_size)

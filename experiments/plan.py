@@ -38,6 +38,9 @@ flags.DEFINE_float("kv_budget_gib", 12.0, "KV + auxiliary budget")
 flags.DEFINE_integer("input_tokens", 8192, "L")
 flags.DEFINE_integer("output_tokens", 256, "G")
 flags.DEFINE_integer("shared_prefix", 6144, "tokens of a shared prefix")
+flags.DEFINE_integer("step_tokens", 256, "capacity: most new tokens one step writes for a "
+                     "request (a chunk: what a sliding-window request reserves beyond its "
+                     "window)", lower_bound=1)
 flags.DEFINE_integer("num_requests", 16, "simultaneous requests (select)")
 flags.DEFINE_float("deadline_s", 7.0, "deadline, arrival to last token")
 flags.DEFINE_integer("context", 2048, "batch: context length")
@@ -94,12 +97,20 @@ def cmd_capacity():
   rm = _model()
   k = rm.costs.kv_bytes_per_token
   out = {}
+  windows = rm.costs.cfg.windows if any(rm.costs.cfg.windows) else ()
   for name, shared in (("independent", 0), ("shared_prefix", FLAGS.shared_prefix)):
     c = accounting.capacity(k, FLAGS.kv_budget_gib * 2**30, FLAGS.input_tokens,
-                            FLAGS.output_tokens, FLAGS.page_size, shared)
-    out[name] = dict(dataclasses.asdict(c), kv_end_mib=c.kv_end_bytes / MIB,
+                            FLAGS.output_tokens, FLAGS.page_size, shared,
+                            layer_windows=windows if not shared else (),
+                            step_tokens=FLAGS.step_tokens)
+    row = {k: v for k, v in dataclasses.asdict(c).items()
+           if c.windowed_end_bytes or not k.startswith(("windowed", "requests_fit_windowed"))}
+    out[name] = dict(row, kv_end_mib=c.kv_end_bytes / MIB,
                      private_end_mib=c.private_end_bytes / MIB,
                      shared_prefix_mib=c.shared_prefix_bytes / MIB)
+    if c.windowed_end_bytes:
+      out[name].update(windowed_end_mib=c.windowed_end_bytes / MIB,
+                       windowed_step_mib=c.windowed_step_bytes / MIB)
   out["weight_bytes"] = rm.costs.weight_bytes
   out["d_w"] = rm.costs.d_w
   return out

@@ -151,7 +151,24 @@ QWEN3_8B = ModelConfig(
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=False, max_position=40960,
     qk_norm=True, bos_token_id=151643, eos_token_ids=(151645, 151643))
 
-MODEL_CONFIGS = {c.name: c for c in (SMOLLM2_135M, QWEN3_0_6B, QWEN3_8B)}
+# Sliding-window models for the cost model and planner (shapes from their published HF
+# config.json files: mistralai/Mistral-7B-v0.1, google/gemma-2-9b).
+MISTRAL_7B = ModelConfig(
+    name="mistral-7b", family="mistral", vocab_size=32000, hidden_size=4096,
+    intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+    rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False, max_position=32768,
+    bos_token_id=1, eos_token_ids=(2,), layer_windows=(4096,) * 32)
+
+GEMMA2_9B = ModelConfig(
+    name="gemma-2-9b", family="gemma2", vocab_size=256000, hidden_size=3584,
+    intermediate_size=14336, num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_embeddings=True, max_position=8192,
+    bos_token_id=2, eos_token_ids=(1, 107), hidden_act="gelu_tanh", norm_offset=1.0,
+    embed_scale=True, sandwich_norms=True, query_scale=256 ** -0.5, attn_softcap=50.0,
+    final_softcap=30.0, layer_windows=tuple(4096 if i % 2 == 0 else 0 for i in range(42)))
+
+MODEL_CONFIGS = {c.name: c for c in (SMOLLM2_135M, QWEN3_0_6B, QWEN3_8B, MISTRAL_7B,
+                                     GEMMA2_9B)}
 
 
 def get_model_config(name: str) -> ModelConfig:

@@ -57,3 +57,63 @@ def test_binaries_emit_the_figures():
   assert cap["requests_fit"] == 35 and cap["bytes_per_token"] == 147456
   q8 = _run("experiments.capacity", "--model=qwen3-8b", "--input_tokens=8192", "--kv_format=q8_0")
   assert q8["bytes_per_token"] == 147456 * 34 / 64
+
+
+def test_pages_held_behind_a_window_equal_the_page_manager():
+  """The arithmetic of a sliding window's pages (accounting.pages_held, the planner's)
+  against the real PageManager releasing what lies behind the window, token by token,
+  over windows on and off page edges; never more than window / page + 1 pages."""
+  from jaxinfer.runtime.pages import HOLE, PageManager
+  for page_size, window in ((4, 8), (4, 9), (16, 64), (8, 3), (16, 1)):
+    pm = PageManager(64, page_size)
+    pm.add_sequence("r")
+    for t in range(1, 200):
+      pm.grow("r", t)
+      pm.release_before("r", t - window + 1)
+      held = sum(p != HOLE for p in pm.page_table("r"))
+      assert held == accounting.pages_held(t, page_size, window), (page_size, window, t)
+      assert held <= -(-window // page_size) + 1
+    assert accounting.pages_held(100, page_size, 0) == accounting.pages_for(100, page_size)
+
+
+def test_windowed_costs_and_capacity():
+  """Mistral-7B (window 4096 in every layer) at 8,192 tokens: a decode step reads half the
+  KV full attention would, its attention pairs stop growing past the window, and a
+  12 GiB budget holds twice the requests; Gemma-2-9B (every other layer windowed) holds
+  the global half whole."""
+  from jaxinfer.config import GEMMA2_9B, MISTRAL_7B
+  from jaxinfer.costmodel.roofline import ModelCosts
+  m = ModelCosts(MISTRAL_7B)
+  full = ModelCosts(MISTRAL_7B.replace(layer_windows=()))
+  kv = m.step_bytes([(1, 8191)]) - m.d_w
+  assert kv == 4096 * m.kv_bytes_per_token == (full.step_bytes([(1, 8191)]) - m.d_w) / 2
+  assert m.attention_flops([(1, 8191)]) == m.attention_flops([(1, 4095)]) \
+      == full.attention_flops([(1, 4095)])
+  cap = accounting.capacity(m.kv_bytes_per_token, 12 * 2**30, 8192, 256, 16,
+                            layer_windows=MISTRAL_7B.windows, step_tokens=256)
+  assert (cap.requests_fit, cap.requests_fit_windowed) == (11, 22)
+  g = ModelCosts(GEMMA2_9B)
+  cap = accounting.capacity(g.kv_bytes_per_token, 12 * 2**30, 8192, 256, 16,
+                            layer_windows=GEMMA2_9B.windows, step_tokens=256)
+  per_layer_page = g.kv_bytes_per_token * 16 / 42
+  # 8,447 tokens at the end: 528 pages; the last 4,096 keys (from 4,352 on) in 256 pages
+  assert cap.windowed_end_bytes == int((21 * 528 + 21 * 256) * per_layer_page)
+  capped = g.attention_flops([(1, 100)])
+  assert capped > ModelCosts(GEMMA2_9B.replace(attn_softcap=None)).attention_flops([(1, 100)])
+
+
+def test_kv_accounting_prints_the_window_groups():
+  """512-token prompts, window 64, pages of 16: a Mistral-style request holds at most
+  64 / 16 + 1 = 5 pages in decode; a Gemma-2-style one the same in its local group while
+  its global group holds the whole context (the engine releases only the first)."""
+  one = _run("experiments.kv_accounting", "--layer_windows=64", "--prompt_len=512",
+             "--output_len=128", "--page_size=16")
+  (g,) = one["groups"]
+  assert g["pages_held_in_decode"] == g["formula_held"] == 5 and g["engine_releases"]
+  assert g["full_attention_pages"] == 40
+  two = _run("experiments.kv_accounting", "--layer_windows=64,0", "--num_layers=42",
+             "--prompt_len=512", "--output_len=128", "--page_size=16")
+  local, glob = two["groups"]
+  assert (local["window"], local["layers"], local["pages_held_in_decode"]) == (64, 21, 5)
+  assert (glob["window"], glob["pages_held_in_decode"]) == (0, 40)
+  assert not local["engine_releases"]

@@ -70,6 +70,24 @@ def account_branches(branches: int, prefix_pages: int, private_pages: int,
   return [paged, shared]
 
 
+def pages_held(tokens: int, page_size: int, window: int = 0) -> int:
+  """Pages a sequence of `tokens` tokens holds between steps when the pages wholly behind
+  its sliding window are released: the next query (position `tokens`) reads keys from
+  position tokens - window + 1 on, so ceil(tokens / P) - floor((tokens - W + 1) / P)
+  pages, at most ceil(W / P) + 1 (window 0: every page)."""
+  n = pages_for(tokens, page_size)
+  if not window or not n:
+    return n
+  return n - min(max(tokens - window + 1, 0) // page_size, n - 1)
+
+
+def step_pages_bound(window: int, step_tokens: int, page_size: int) -> int:
+  """The most pages a windowed sequence holds during a step that writes `step_tokens`
+  new tokens (its window behind them, each end on a page of its own): what admission
+  reserves for it."""
+  return (window + step_tokens - 1) // page_size + 2
+
+
 @dataclasses.dataclass
 class Capacity:
   bytes_per_token: float
@@ -79,12 +97,22 @@ class Capacity:
   shared_prefix_bytes: int  # stored once when shared
   private_end_bytes: int  # per request beyond the shared prefix
   requests_fit: int
+  # Sliding windows (layer_windows given): each layer keeps the pages its window reads,
+  # the layers of one window sharing page tables (a group; full-attention layers one).
+  windowed_end_bytes: int = 0  # one request at the end, between steps
+  windowed_step_bytes: int = 0  # its most during a step of step_tokens (what admission
+  #                               reserves)
+  requests_fit_windowed: int = 0
 
 
 def capacity(bytes_per_token: float, budget_bytes: float, input_tokens: int, output_tokens: int,
-             page_size: int = 16, shared_prefix: int = 0) -> Capacity:
+             page_size: int = 16, shared_prefix: int = 0, layer_windows: Sequence[int] = (),
+             step_tokens: int = 1) -> Capacity:
   """8.1: capacity = floor(budget / per-request reservation of L + G - 1 tokens); with a
-  shared prefix (8.3.2): one copy of the prefix's full pages + per-request private parts."""
+  shared prefix (8.3.2): one copy of the prefix's full pages + per-request private parts.
+  layer_windows (each layer's sliding window, 0: full): also the windowed footprint,
+  each layer keeping pages_held of its window, and the requests that fit when each
+  reserves its most during a step of `step_tokens` new tokens (step_pages_bound)."""
   end_tokens = input_tokens + output_tokens - 1
   slot = bytes_per_token * page_size
   after_prefill = pages_for(input_tokens, page_size) * slot
@@ -95,5 +123,15 @@ def capacity(bytes_per_token: float, budget_bytes: float, input_tokens: int, out
   fit = int((budget_bytes - prefix) // private) if budget_bytes >= prefix else 0
   if not shared_prefix:
     fit = int(budget_bytes // end)
-  return Capacity(bytes_per_token, page_size, int(after_prefill), int(end), int(prefix),
-                  int(private), fit)
+  out = Capacity(bytes_per_token, page_size, int(after_prefill), int(end), int(prefix),
+                 int(private), fit)
+  if any(layer_windows):
+    per_layer = slot / len(layer_windows)
+    out.windowed_end_bytes = int(sum(pages_held(end_tokens, page_size, w)
+                                     for w in layer_windows) * per_layer)
+    most = pages_for(end_tokens, page_size)
+    out.windowed_step_bytes = int(sum(
+        min(most, step_pages_bound(w, step_tokens, page_size)) if w else most
+        for w in layer_windows) * per_layer)
+    out.requests_fit_windowed = int(budget_bytes // out.windowed_step_bytes)
+  return out

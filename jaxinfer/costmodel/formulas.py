@@ -38,9 +38,16 @@ def step_time_lower_bound(batch: int, flops_per_token: float, peak_flops: float,
 
 
 # --- 8.2.3 chunks --------------------------------------------------------------------------
-def chunk_pairs(chunk: int, cached: int) -> int:
-  """8.2.3: N_pair = c h + c (c + 1) / 2."""
-  return chunk * cached + chunk * (chunk + 1) // 2
+def chunk_pairs(chunk: int, cached: int, window: int = 0) -> int:
+  """8.2.3: N_pair = c h + c (c + 1) / 2. With a sliding window of W keys (0: none) the
+  query at position p attends to min(p + 1, W) keys: the sum of min(t, W) over t = h + 1
+  .. h + c."""
+  if not window:
+    return chunk * cached + chunk * (chunk + 1) // 2
+  lo, hi = cached + 1, cached + chunk
+  top = min(hi, window)
+  below = top * (top + 1) // 2 - (lo - 1) * lo // 2 if top >= lo else 0
+  return below + max(0, hi - max(lo, window + 1) + 1) * window
 
 
 # --- 8.3.4 prefix cache value ----------------------------------------------------------------

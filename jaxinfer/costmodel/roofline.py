@@ -59,7 +59,10 @@ class ModelCosts:
 
   @property
   def lm_head_flops(self) -> int:
-    return 2 * self.cfg.vocab_size * self.cfg.hidden_size
+    """Per sampled row: the LM head's product, and a final soft cap's divide, tanh and
+    multiply per logit where the model caps them (3 FLOPs each)."""
+    cap = 3 * self.cfg.vocab_size if self.cfg.final_softcap else 0
+    return 2 * self.cfg.vocab_size * self.cfg.hidden_size + cap
 
   def step_flops(self, seqs: Sequence[Tuple[int, int]], sampled: Optional[int] = None) -> float:
     """seqs: (new tokens c, cached tokens h) per request."""
@@ -68,17 +71,39 @@ class ModelCosts:
             + sampled * self.lm_head_flops)
 
   def attention_flops(self, seqs: Sequence[Tuple[int, int]]) -> float:
-    """The attention share of step_flops (score and value products of every new token
-    against its context)."""
-    return sum(chunk_pairs(c, h) for c, h in seqs) * self.cfg.attention_flops_per_pair()
+    """The attention share of step_flops: score and value products of every new token
+    against the keys it reads (its whole context, or its layer's sliding window), plus a
+    soft cap's divide, tanh and multiply per score where the model caps them (counted as
+    3 FLOPs)."""
+    cfg = self.cfg
+    per_layer = cfg.attention_flops_per_pair() / cfg.num_layers
+    cap = 3 * cfg.num_heads if cfg.attn_softcap else 0
+    total = 0.0
+    for window, layers in self._window_groups():
+      total += layers * (per_layer + cap) * sum(chunk_pairs(c, h, window) for c, h in seqs)
+    return total
+
+  def _window_groups(self):
+    """(window, number of layers with it), 0 for full attention."""
+    ws = self.cfg.windows
+    return [(w, ws.count(w)) for w in sorted(set(ws))]
+
+  def kv_read_tokens(self, context: int) -> float:
+    """Tokens of K/V a step reads for one request at `context`, averaged over layers: a
+    windowed layer reads at most its window (8.2.1's L k, with L per layer)."""
+    return sum(n * (min(context, w) if w else context)
+               for w, n in self._window_groups()) / self.cfg.num_layers
 
   def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                  sharing: Optional[int] = None) -> float:
-    """Weights once + every request's KV at its context; a shared prefix of
-    shared_tokens is read once for the `sharing` requests that hold it (all of them when
-    None), as the planner charges it (8.6.3)."""
+    """Weights once + every request's KV at its context (up to each layer's window); a
+    shared prefix of shared_tokens is read once for the `sharing` requests that hold it
+    (all of them when None) in the full-attention layers, as the planner charges it
+    (8.6.3)."""
     n = len(seqs) if sharing is None else sharing
-    ctx = sum(h + c for c, h in seqs) - shared_tokens * max(n - 1, 0)
+    full = self.cfg.windows.count(0) / self.cfg.num_layers
+    ctx = (sum(self.kv_read_tokens(h + c) for c, h in seqs)
+           - shared_tokens * max(n - 1, 0) * full)
     return self.d_w + ctx * self.kv_bytes_per_token
 
 
