@@ -1,6 +1,6 @@
 """The native CPU matmuls over weights packed for them, each against its jnp oracle and its
 layout against the weights it packs: bf16 in AMX's tile layout on AMX or AVX512-BF16
-(pallas_kernels/cpu/tiles.py, tiles.cc) and f32 in AVX-512 column panels
+(pallas_kernels/cpu/tiles.py, tiles.cc) and f32 in column panels (AVX-512 or AVX2)
 (panels.py, panels.cc), and the one conversion that packs a model's weights (weights.py)."""
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def test_a_layer_outside_the_stack_fails_the_call():
     tiles.matmul(np.ones((1, 32), np.float32), t, 0, engine="amx")
 
 
-needs_avx512 = pytest.mark.skipif(not panels.available() or jax.default_backend() != "cpu",
-                                  reason="the panel matmul needs AVX-512F")
+needs_panels = pytest.mark.skipif(not panels.available() or jax.default_backend() != "cpu",
+                                  reason="the panel matmul needs AVX-512F or AVX2 + FMA")
 
 
 def test_panels_layout_and_refusals():
@@ -103,7 +103,7 @@ def test_panels_layout_and_refusals():
   assert not panels.packable(jnp.zeros((8, 32), jnp.bfloat16))
 
 
-@needs_avx512
+@needs_panels
 def test_panels_matmul_matches_reference():
   """x rows in passes of six (1, 5, 6, 7, 13, 40, 65 rows; at 40 and 65 each column group's
   rows are split into two items), the last group of four panels holding 1-4 (N 16 ... 80),
@@ -123,7 +123,7 @@ def test_panels_matmul_matches_reference():
         jnp.ones((1, 5, 16), jnp.float32)), 1))
 
 
-@needs_avx512
+@needs_panels
 def test_calls_from_two_threads_at_once_agree_with_one_at_a_time():
   """Two Python threads run native calls at once: while one holds the library's spinning
   helpers, the other finds them busy and hands its items to XLA's pool (native_items.h;
@@ -161,7 +161,7 @@ def _tiny():
   return cfg, mp.init_params(cfg, jax.random.PRNGKey(1))
 
 
-@needs_avx512
+@needs_panels
 def test_prepare_packs_each_group_once_and_keeps_prepared_weights():
   """f32 weights on AVX-512: q, k, v as one panel matrix split (64, 32, 32), gate and up as
   one, the tied embedding packed as the LM head; preparing prepared weights returns them."""

@@ -173,8 +173,8 @@ def tiles_engines() -> tuple:
 
 
 def panels_available() -> bool:
-  """Whether the f32 panel matmul can run: the CPU has AVX-512F and JAXINFER_PANELS is
-  not 0."""
+  """Whether the f32 panel matmul can run: the CPU has AVX-512F, or AVX2 and FMA, and
+  JAXINFER_PANELS is not 0."""
   return bool(_cpu_feature("JaxinferPanelsAvailable", "JAXINFER_PANELS"))
 
 

@@ -1,5 +1,5 @@
-// float32 weight matmul on AVX-512 for XLA:CPU, as an XLA FFI custom call (see
-// panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
+// float32 weight matmul on AVX-512 (or AVX2 + FMA) for XLA:CPU, as an XLA FFI custom
+// call (see panels.py): y[M, N] = x[M, K] . W[K, N], with W held in column panels and
 // read where it lies (a leading layer axis and a layer operand, as gguf.cc): a
 // scanned model never copies a layer's slice out of the stack, as XLA:CPU does for its
 // own dot.
@@ -13,6 +13,10 @@
 // multiplies them by six broadcast x values into 24 accumulators (4 + 1 + 24 of the 32 zmm
 // registers); the passes after the first fetch the thread's next item's weights into L2
 // (SixRowPassesAhead). Items are shared by the caller and helpers (RunItems, DrainAhead).
+//
+// Without AVX-512 (AVX2 + FMA: 16 ymm registers), a pass covers one panel at a time: its
+// 16 columns are two ymm vectors, times six broadcast x values into 12 accumulators
+// (2 + 1 + 12 of 16); the group's panels run one after another over the same x rows.
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -24,6 +28,7 @@
 #include <immintrin.h>
 #define JX_HAVE_512 1
 #define JX_512 __attribute__((target("avx512f,fma")))
+#define JX_256 __attribute__((target("avx2,fma")))
 #endif
 
 namespace ffi = xla::ffi;
@@ -36,6 +41,7 @@ constexpr int64_t kMinParallelItems = 4;
 
 #ifdef JX_HAVE_512
 const bool kAvx512 = __builtin_cpu_supports("avx512f");
+const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 
 struct Args {
   const float* x;  // [M, K]
@@ -80,6 +86,41 @@ void Passes(const Args& a, int64_t item, int64_t next) {
                               });
 }
 
+// One panel (16 columns) of MR rows on AVX2: two ymm vectors of W per k.
+template <int MR>
+JX_256 void Pass256(const Args& a, int64_t m0, int64_t j, jaxinfer::WeightsAhead& pf) {
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const float* w = a.w + j * a.K * kCols;
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = 0; k < a.K; ++k) {
+    pf.Step();
+    const __m256 w0 = _mm256_loadu_ps(w + k * kCols);
+    const __m256 w1 = _mm256_loadu_ps(w + k * kCols + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_set1_ps(x[m * a.K + k]);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(a.y + (m0 + m) * a.N + j * kCols, acc[m][0]);
+    _mm256_storeu_ps(a.y + (m0 + m) * a.N + j * kCols + 8, acc[m][1]);
+  }
+}
+
+void Item256(const Args& a, int64_t item, int64_t next) {
+  const int64_t g = a.it.Group(item), gn = a.it.NextGroup(item, next);
+  const float* nw = gn < 0 ? nullptr : a.w + gn * kGroup * a.K * kCols;
+  const int64_t lines = gn < 0 ? 0 : a.it.Blocks(gn) * a.K;
+  const int64_t blocks = a.it.Blocks(g);
+  jaxinfer::SixRowPassesAhead(a.it.Row0(item), a.it.Rows(item), a.K, nw, lines,
+                              [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
+                                for (int64_t j = 0; j < blocks; ++j)
+                                  Pass256<mr.value>(a, m, g * kGroup + j, pf);
+                              });
+}
+
 JX_512 void Item(const Args& a, int64_t item, int64_t next) {
   switch (a.it.Blocks(a.it.Group(item))) {
     case 1: Passes<1>(a, item, next); break;
@@ -97,14 +138,19 @@ struct Shared {
 
 void Drain(Shared* sh) {
   jaxinfer::DrainAhead(sh, sh->args.it.items(),
-                       [sh](int64_t i, int64_t n) { Item(sh->args, i, n); });
+                       [sh](int64_t i, int64_t n) {
+                         // (no AVX-512 code may run on a CPU without it: chosen here)
+                         if (kAvx512) Item(sh->args, i, n); else Item256(sh->args, i, n);
+                       });
 }
 #endif  // JX_HAVE_512
 
 ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
 #ifdef JX_HAVE_512
-  if (!kAvx512) return ffi::Error::Internal("f32 panel matmul: this CPU has no AVX-512");
+  if (!kAvx512 && !kAvx2)
+    return ffi::Error::Internal("f32 panel matmul: this CPU has neither AVX-512 nor AVX2 "
+                                "+ FMA");
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 3 && wd.size() != 4) || wd[wd.size() - 1] != kCols)
@@ -139,7 +185,7 @@ ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 extern "C" int JaxinferPanelsAvailable() {
 #ifdef JX_HAVE_512
-  return kAvx512 ? 1 : 0;
+  return kAvx512 || kAvx2 ? 1 : 0;
 #else
   return 0;
 #endif

@@ -1,4 +1,5 @@
-"""float32 weight matmuls on AVX-512, the weights held in column panels (panels.cc).
+"""float32 weight matmuls on AVX-512 (or AVX2 + FMA), the weights held in column panels
+(panels.cc).
 
 XLA:CPU copies a scanned layer's weights out of the stacked array before its dot, every
 layer of every step (SmolLM2 f32 at batch 1: 35 ms of a 63 ms step, 540 MB written and
@@ -9,7 +10,8 @@ in place by layer index, like the GGUF blocks of `gguf` and the bf16 `tiles`:
   matmul(x [M, K], panels, layer) = x @ w, float32 (FMA order: k ascending per column)
   reference(...)           the jnp oracle (HIGHEST precision)
 
-Needs N % 16 == 0 (`packable`) and `available()`: the native library and AVX-512F.
+Needs N % 16 == 0 (`packable`) and `available()`: the native library and AVX-512F, or
+AVX2 and FMA.
 """
 from __future__ import annotations
 
@@ -55,6 +57,6 @@ def reference(x, panels, layer=None):
 def matmul(x, panels, layer=None):
   """x [M, K] -> x @ W [M, N] float32 by the native call (`available()`)."""
   if not available():
-    raise RuntimeError("the f32 panel matmul needs the native CPU library and AVX-512F; "
+    raise RuntimeError("the f32 panel matmul needs the native CPU library and AVX-512F or AVX2 + FMA; "
                        "see the log")
   return native.stacked_call(TARGET, x, panels, layer, panels.shape[-3] * 16)

@@ -3,7 +3,7 @@
 Each form is a pytree with a `matmul(x)` (jaxinfer.model.linear's protocol); the stacked
 ones are read in place by a layer index (`in_place`, `at`), never sliced out of the stack
 by the layer scan, which XLA:CPU does by copying every layer's weights on every step:
-  Panels  f32 weights in AVX-512 column panels (panels.py)
+  Panels  f32 weights in column panels (AVX-512, or AVX2 + FMA; panels.py)
   Tiles   bf16 weights in AMX's tile layout, run on AMX or AVX512-BF16 (tiles.py)
   Blocks  a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (gguf.py) for steps of up to
           GGUF_MAX_ROWS rows, its dense copy for larger ones (`for_rows`)
@@ -145,7 +145,7 @@ FORMS = (Panels, Tiles, Blocks, Half, Parts)
 
 def kernel_for(dtype):
   """(module, form) of the native matmul that runs `dtype` weights on this CPU (bf16:
-  tiles on AMX or AVX512-BF16; f32: panels on AVX-512), or None: the one place that maps
+  tiles on AMX or AVX512-BF16; f32: panels on AVX-512 or AVX2), or None: the one place that maps
   a dtype to its packed layout."""
   found = {jnp.dtype(jnp.bfloat16): (tiles, Tiles),
            jnp.dtype(jnp.float32): (panels, Panels)}.get(jnp.dtype(dtype))
@@ -243,7 +243,7 @@ def _gguf(params) -> dict:
 def prepare(params):
   """The weights a single-device CPU executor holds, converted once: GGUF blocks where the
   model carries them, else the stacked weights in the native layout of their dtype where
-  this CPU runs one, else bf16 weights as `Half`; f32 weights without AVX-512 stay dense
+  this CPU runs one, else bf16 weights as `Half`; f32 weights without AVX2 stay dense
   (XLA's own dot). Weights already prepared, or none, are returned as they are."""
   layers = params.get("layers") if isinstance(params, dict) else None
   if layers is None or is_prepared(params):
