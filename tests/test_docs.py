@@ -56,6 +56,15 @@ def test_report_writes_the_performance_page_from_json(tmp_path):
   assert "## Soak" in text and f"{srun['requests']} requests" in text
   for name, chk in srun["checks"].items():
     assert f"| {name} | {'yes' if chk['ok'] else 'NO'} | {chk['detail']} |" in text
+  serve = os.path.join(ROOT, "tests", "data", "serve_bench_small.json")  # a real run, its
+  with open(serve) as f:  # per-request timings dropped
+    sb = json.load(f)
+  text = report.render([serve], str(out), plot=False)
+  pol = sb["policies"]["chunked"]
+  off = sb["offline"]["chunked"]
+  ratio = pol["output_tok_s"] / (off["output_tokens"] / off["wall_s"])
+  assert "## Serving" in text and f"| chunked | {pol['output_tok_s']:.1f} |" in text
+  assert f"| {ratio:.2f} |" in text
   bad = tmp_path / "bad.json"
   bad.write_text('{"x": 1}')
   assert report.main(["report.py", str(bad), f"--output={tmp_path / 'x.md'}"]) == 2

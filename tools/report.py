@@ -5,7 +5,8 @@ current figures only; earlier ones live in git history.
   python tools/report.py out/bench_e2e/bench_e2e.json --output=docs/performance.md
 
 Inputs: bench_e2e.json files (tools/bench_e2e.py), whose figures go beside the page
-(`<output dir>/img/performance_e2e.png`), and soak.json files (tools/soak.py).
+(`<output dir>/img/performance_e2e.png`), serve_bench.json files (experiments.serve_bench:
+the server beside the offline run of the same prompts) and soak.json files (tools/soak.py).
 """
 from __future__ import annotations
 
@@ -61,6 +62,35 @@ def e2e_section(data: dict, img_rel: str | None) -> str:
   if img_rel:
     out += [f"![tokens per second by system]({img_rel})", ""]
   return "\n".join(out)
+
+
+def serve_section(data: dict) -> str:
+  """experiments.serve_bench's run: each policy's server beside LLM.chat over the same
+  prompts, with the machine's floors of one decode step."""
+  fl = data["flags"]
+  rate = fl["request_rate"]
+  sent = "all at once" if not rate else f"at {rate:g} per second ({fl['arrival']})"
+  out = [f"## Serving: the server beside the offline run ({fl['model']})", "",
+         f"{fl['num_prompts']} chat requests of {fl['max_tokens']} tokens each, sent {sent} "
+         f"to `jaxinfer serve` (max_num_seqs {fl['max_num_seqs']}, token budget "
+         f"{fl['max_num_batched_tokens']}); the offline run sends the same prompts through "
+         "`LLM.chat` in the same process setup. Command: `python -m experiments.serve_bench "
+         f"--num_prompts={fl['num_prompts']} --request_rate={rate:g} "
+         f"--max_tokens={fl['max_tokens']}`.", "",
+         "| policy | served tok/s | offline tok/s | served / offline | TTFT mean ms | TTFT p99 "
+         "ms | TPOT mean ms | goodput req/s |", "|---|---|---|---|---|---|---|---|"]
+  for name, pol in data["policies"].items():
+    off = (data.get("offline") or {}).get(name)
+    off_tps = off["output_tokens"] / off["wall_s"] if off else None
+    out.append(f"| {name} | {pol['output_tok_s']:.1f} | {_f(off_tps, '.1f')} | "
+               f"{_f(pol['output_tok_s'] / off_tps if off_tps else None)} | "
+               f"{pol['ttft']['mean_ms']:.0f} | {pol['ttft']['p99_ms']:.0f} | "
+               f"{pol['tpot']['mean_ms']:.1f} | {pol['goodput_rps']:.2f} |")
+  f = data.get("floors")
+  if f:
+    out += ["", f"Floors of a decode step at this batch, measured in the run: bandwidth "
+            f"{f['bandwidth_floor_ms']:.1f} ms, compute {f['compute_floor_ms']:.1f} ms."]
+  return "\n".join(out) + "\n"
 
 
 def soak_section(data: dict) -> str:
@@ -121,9 +151,12 @@ def render(inputs, output: str, plot: bool = True) -> str:
     if "checks" in data and "by_kind" in data:
       parts.append(soak_section(data))
       continue
+    if "policies" in data and "flags" in data:
+      parts.append(serve_section(data))
+      continue
     if "single" not in data and "batch" not in data:
-      raise ValueError(f"{path}: neither a bench_e2e.json (no 'single' or 'batch' rows) nor "
-                       "a soak.json")
+      raise ValueError(f"{path}: neither a bench_e2e.json (no 'single' or 'batch' rows), a "
+                       "serve_bench.json nor a soak.json")
     img = None
     if plot:
       img = f"img/performance_e2e{'' if i == 0 else f'_{i}'}.png"
@@ -148,7 +181,8 @@ def main(argv) -> int:
     else:
       inputs.append(a)
   if not inputs:
-    print("error: give one or more bench_e2e.json or soak.json files", file=sys.stderr)
+    print("error: give one or more bench_e2e.json, serve_bench.json or soak.json files",
+          file=sys.stderr)
     return 2
   try:
     render(inputs, output, plot)
