@@ -196,7 +196,7 @@ def test_long_contexts_of_few_slots_split_the_context():
 def test_sliding_window_and_soft_cap_match_reference(window, softcap):
   """A sliding window (traced, as under the layer scan) and a score cap: the XLA backend's
   decode and prefill groups equal the reference over many page blocks of NaN-poisoned
-  pools (the decode slots leave the native call, which has neither); a window wider than
+  pools, its decode slots both ways (XLA ops and the native call); a window wider than
   every context changes nothing, a narrow one does."""
   rng = np.random.default_rng(3)
   for reqs in LONG:
@@ -207,10 +207,12 @@ def test_sliding_window_and_soft_cap_match_reference(window, softcap):
     w = None if window is None else jnp.int32(window)
     ref = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
         *a[:-1], window=a[-1], **kw))(*args, w))
-    out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
-        *a[:-1], window=a[-1], block_pages=2, **kw))(*args, w))
-    assert np.isfinite(out).all()
-    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5, (reqs, window, softcap)
+    for native in NATIVE:
+      out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
+          *a[:-1], window=a[-1], block_pages=2, native=native, **kw))(*args, w))
+      assert np.isfinite(out).all(), native
+      err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+      assert err < 1e-5, (reqs, window, softcap, native, err)
     plain = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
         *a, max_query_len=Q, num_prefill_slots=n_pre, softcap=softcap))(*args))
     wide = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
@@ -239,3 +241,26 @@ def test_prefill_slots_run_in_query_chunks(monkeypatch, window):
         *a[:-1], window=a[-1], block_pages=2, **kw))(*args, w))
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5, (Q, window)
+
+
+def test_a_sliding_window_over_a_split_context():
+  """One decode slot of 2,100 cached tokens under a window of 1,501 (off page edges) with
+  a score cap: the native call splits the window's part of the context into parts, reads
+  nothing before the page holding its first key (the pages before it hold NaN here, as
+  released pages may) and equals the reference."""
+  rng = np.random.default_rng(9)
+  reqs = [(2100, 1)]
+  q, kn, vn, pool, layer, pt, qs, ql, cl = make_case(rng, "f32", 16, 9, 3, 64, reqs)
+  first_page = (2100 - 1501 + 1) // 16
+  pool = dict(pool)
+  for name in ("k", "v"):  # every page wholly behind the window poisoned
+    pool[name] = jnp.asarray(pool[name]).at[:, :, np.asarray(pt)[0, :first_page]].set(np.nan)
+  kw = dict(max_query_len=1, num_prefill_slots=0, softcap=0.5)
+  args = (q, kn, vn, pool, layer, pt, qs, ql, cl)
+  w = jnp.int32(1501)
+  ref = np.asarray(jax.jit(lambda *a: reference.ragged_paged_attention(
+      *a[:-1], window=a[-1], **kw))(*args, w))
+  out = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(
+      *a[:-1], window=a[-1], native=True, **kw))(*args, w))
+  assert np.isfinite(out).all()
+  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5

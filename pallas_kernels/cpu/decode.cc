@@ -7,7 +7,9 @@
 // tokens below cached_len are read, so stale data in a page's tail or in unused page-table
 // entries is never touched. Every KV format of kv_codec.py is decoded row by row in
 // registers' reach: f32, bf16 (uint16 bits), fp8 e4m3fn (uint8 bits, a float32 scale per
-// page and head), q8_0 and q4_0 (GGML blocks of 32 values with an fp16 scale).
+// page and head), q8_0 and q4_0 (GGML blocks of 32 values with an fp16 scale). Under a
+// sliding window only the keys after cached_len - window are read (from the page holding
+// the first: pages wholly behind it may have been released); scores may be soft-capped.
 //
 // Work items (slot, head) are taken from a shared counter by the calling thread and by
 // helpers (native_items.h's RunItems); the caller waits only for items that were taken,
@@ -80,7 +82,27 @@ struct Args {
   float* part = nullptr;
   int64_t deep = 0;  // pages ahead of the one read whose rows go to L2 (kDeepTokens;
   // 0: none, not IsAmd)
+  int64_t window = 0;  // sliding window: keys after cached_len - window only (0: all)
+  float softcap = 0;   // scores capped at +-softcap by softcap * tanh(s / softcap) (0: none)
 };
+
+// A slot's context length, clipped to its page table (see ItemTokens).
+inline int64_t Context(const Args& a, int64_t r) {
+  const int64_t e = a.cached_len[r], most = a.pages_per_slot * a.kp.ps;
+  return e < 0 ? 0 : (e > most ? most : e);
+}
+
+// The first cached token a slot's query reads: cached_len - window + 1 under a sliding
+// window (the query sits at cached_len), else 0.
+inline int64_t FirstKey(const Args& a, int64_t r) {
+  if (a.window <= 0) return 0;
+  const int64_t lo = Context(a, r) - a.window + 1;
+  return lo < 0 ? 0 : lo;
+}
+
+inline float Cap(const Args& a, float x) {
+  return a.softcap > 0 ? a.softcap * std::tanh(x / a.softcap) : x;
+}
 
 // An item's context tokens [*tb, *n): the slot's whole context, or one split-K part of it
 // in whole pages. Out-of-range metadata is clipped, as XLA's gathers do, rather than read
@@ -88,12 +110,15 @@ struct Args {
 // jit a bad table must not fault the process).
 inline void ItemTokens(const Args& a, int64_t r, int64_t split, int64_t* tb, int64_t* n) {
   const int64_t ps = a.kp.ps;
-  int64_t e = a.cached_len[r];
-  e = e < 0 ? 0 : (e > a.pages_per_slot * ps ? a.pages_per_slot * ps : e);
-  int64_t b = 0;
+  int64_t e = Context(a, r);
+  // from the page holding the first key the window reads (the tokens before it on that
+  // page are masked in Attend): pages wholly behind the window are never read, and may
+  // have been released
+  int64_t b = FirstKey(a, r) / ps * ps;
   if (a.splits > 1) {
-    const int64_t chunk = ((e + a.splits - 1) / a.splits + ps - 1) / ps * ps;
-    b = split * chunk < e ? split * chunk : e;
+    const int64_t lo = b;
+    const int64_t chunk = ((e - lo + a.splits - 1) / a.splits + ps - 1) / ps * ps;
+    b = lo + split * chunk < e ? lo + split * chunk : e;
     e = b + chunk < e ? b + chunk : e;
   }
   *tb = b;
@@ -226,7 +251,7 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
       d += q[g][c] * Load(kn + 8 * c);
       acc[g][c] = Load(vn + 8 * c);
     }
-    m[g] = Sum(d);
+    m[g] = Cap(a, Sum(d));
     l[g] = 1.0f;
   }
   int64_t tb, n;
@@ -312,6 +337,20 @@ void Attend(const Args& a, int64_t r, int64_t k, int64_t split, bool first_fetch
           s[g][p0 + o] = x;
           mb[g] = x > mb[g] ? x : mb[g];
         }
+      }
+    }
+    if (a.window > 0 || a.softcap > 0) {
+      // capped scores, and the keys before the window's first one on its page dropped
+      // (their weight underflows to FastExp's floor; their V rows are real tokens)
+      const int64_t lo = FirstKey(a, r);
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = m[g];
+        for (int64_t i = 0; i < cn; ++i) {
+          const float x = c0 + i < lo ? -1e30f : Cap(a, s[g][i]);
+          s[g][i] = x;
+          mx = x > mx ? x : mx;
+        }
+        mb[g] = mx;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -471,8 +510,9 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                       ffi::AnyBuffer k_codes, ffi::AnyBuffer v_codes,
                       ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
-                      ffi::Buffer<ffi::S32> cached_len, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                      int32_t fmt, float scale, int64_t min_parallel_tokens) {
+                      ffi::Buffer<ffi::S32> cached_len, ffi::Buffer<ffi::S32> window,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t fmt, float scale,
+                      float softcap, int64_t min_parallel_tokens) {
   const auto qd = q.dimensions();
   const auto cd = k_codes.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || page_table.dimensions().size() != 2)
@@ -503,6 +543,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.cached_len = cached_len.typed_data();
   a.out = out->typed_data();
   a.scale = scale;
+  a.window = window.typed_data()[0];
+  a.softcap = softcap;
   for (Pool* p : {&a.kp, &a.vp}) {
     p->fmt = static_cast<Format>(fmt);
     p->P = cd[2];
@@ -553,7 +595,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()   // layer []
         .Arg<ffi::Buffer<ffi::S32>>()   // page_table [R, pages]
         .Arg<ffi::Buffer<ffi::S32>>()   // cached_len [R]
+        .Arg<ffi::Buffer<ffi::S32>>()   // window [] (0: none; may vary by layer at run time)
         .Ret<ffi::Buffer<ffi::F32>>()   // out [R, N, H]
         .Attr<int32_t>("fmt")
         .Attr<float>("scale")
+        .Attr<float>("softcap")         // 0: none
         .Attr<int64_t>("min_parallel_tokens"));

@@ -40,9 +40,11 @@ def available() -> bool:
 
 
 def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, scale,
+                     window=None, softcap=None,
                      min_parallel_tokens: int = MIN_PARALLEL_TOKENS):
   """Same contract as xla.decode_attention (q [R, N, H], k_new / v_new [R, K, H], the
-  slot's page_table [R, P] and cached_len [R]) -> [R, N, H] float32. CPU only."""
+  slot's page_table [R, P] and cached_len [R]; window: an int32 scalar, may be traced,
+  None: all keys; softcap: static, None: none) -> [R, N, H] float32. CPU only."""
   fmt = kv_codec.pool_format(pool)
   none = jnp.zeros((1,), jnp.float32)
   if fmt == "fp8":
@@ -55,5 +57,7 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
   return call(q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
               pool["k"], pool["v"], ks, vs, jnp.asarray(layer, jnp.int32),
               page_table.astype(jnp.int32), cached_len.astype(jnp.int32),
+              jnp.asarray(0 if window is None else window, jnp.int32),
               fmt=np.int32(_FORMATS[fmt]), scale=np.float32(scale),
+              softcap=np.float32(softcap or 0.0),
               min_parallel_tokens=np.int64(min_parallel_tokens))

@@ -11,7 +11,8 @@ x86 machine (per-op profile in the README's performance section):
   a bucket table needs one tier of pages per request, not a ladder (8.2.4: fewer
   compiled shapes). Each gathered block stays in cache between the gather and the dots.
 - On CPU, decode slots (one new token each) run the native custom call of
-  `pallas_kernels/cpu/decode.py` / `decode.cc`, which reads each slot's pages where they lie, once,
+  `pallas_kernels/cpu/decode.py` / `decode.cc` (sliding windows and score caps included),
+  which reads each slot's pages where they lie, once,
   on XLA's thread pool: no XLA-op form avoids gathering, masking and reducing each block
   in separate passes over memory (measured 2.3x faster at batch 16, context 4096). The
   XLA-op decode path below runs on other platforms, when the library cannot be built,
@@ -120,10 +121,8 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
 
   On CPU this runs the native custom call (`cpu_native`: the pages read in place, once)
   when it is built and handles the shapes; `native=False` forces the XLA-op path below,
-  which every other platform runs, as do layers with a sliding window or a score cap
-  (window, softcap: see reference.ragged_paged_attention)."""
-  if window is not None or softcap is not None:
-    native = False
+  which every other platform runs (window, softcap: see
+  reference.ragged_paged_attention)."""
   if native is None:  # (nothing is built where the default backend is an accelerator)
     native = jax.default_backend() == "cpu" and cpu_native.available()
   elif native and not cpu_native.available():
@@ -131,14 +130,18 @@ def decode_attention(q, k_new, v_new, pool, layer, page_table, cached_len, *, sc
                        "says why: JAXINFER_NATIVE=0, or its build "
                        "failed)")
   if native and native_decode_supported(q.shape, k_new.shape[1], pool["k"].shape[3]):
+    w = () if window is None else (window,)  # a traced window enters as an argument
+
     def on_cpu(*args):
-      return cpu_native.decode_attention(*args, scale=scale)
+      return cpu_native.decode_attention(*args[:7], scale=scale, softcap=softcap,
+                                         window=args[7] if w else None)
 
     def elsewhere(*args):
-      return decode_attention(*args, scale=scale, block_pages=block_pages, native=False)
+      return decode_attention(*args[:7], scale=scale, block_pages=block_pages, native=False,
+                              window=args[7] if w else None, softcap=softcap)
 
     return jax.lax.platform_dependent(q, k_new, v_new, pool, layer, page_table, cached_len,
-                                      cpu=on_cpu, default=elsewhere)
+                                      *w, cpu=on_cpu, default=elsewhere)
   R, N, H = q.shape
   K = k_new.shape[1]
   G = N // K
