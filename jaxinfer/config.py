@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = {"linear": 2, "llama3": 5, "yarn": 7}  # kind -> entries of its tuple
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -48,7 +48,10 @@ class ModelConfig:
   layer_windows: Tuple[int, ...] = ()  # sliding window per layer (0: full); (): all full
   rope_local_theta: Optional[float] = None  # Gemma 3: the RoPE base of windowed layers
   rope_scaling: Tuple = ()  # ("linear", factor) | ("llama3", factor, low_freq_factor,
-  #                            high_freq_factor, original_max_position)
+  #                            high_freq_factor, original_max_position) | ("yarn", factor,
+  #                            original_max_position, beta_fast, beta_slow,
+  #                            attention_factor, truncate)
+  partial_rotary: float = 1.0  # share of each head's dims RoPE rotates (the first ones)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -62,9 +65,14 @@ class ModelConfig:
       raise ValueError(f"layer_windows must be >= 0 (0: full attention), got "
                        f"{self.layer_windows}")
     if self.rope_scaling and (self.rope_scaling[0] not in ROPE_SCALINGS or len(
-        self.rope_scaling) != {"linear": 2, "llama3": 5}[self.rope_scaling[0]]):
-      raise ValueError(f"rope_scaling must be ('linear', factor) or ('llama3', factor, low, "
-                       f"high, original_max_position), got {self.rope_scaling!r}")
+        self.rope_scaling) != ROPE_SCALINGS[self.rope_scaling[0]]):
+      raise ValueError(f"rope_scaling must be ('linear', factor), ('llama3', factor, low, "
+                       f"high, original_max_position) or ('yarn', factor, "
+                       f"original_max_position, beta_fast, beta_slow, attention_factor, "
+                       f"truncate), got {self.rope_scaling!r}")
+    if not 0 < self.partial_rotary <= 1 or self.rotary_dim % 2:
+      raise ValueError(f"partial_rotary must be in (0, 1] and rotate an even number of "
+                       f"dims, got {self.partial_rotary} of head_dim {self.head_dim}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -88,6 +96,11 @@ class ModelConfig:
   @property
   def q_per_kv(self) -> int:
     return self.num_heads // self.num_kv_heads
+
+  @property
+  def rotary_dim(self) -> int:
+    """The dims of each head RoPE rotates (the first ones; the rest pass through)."""
+    return int(self.head_dim * self.partial_rotary)
 
   @property
   def windows(self) -> Tuple[int, ...]:

@@ -29,6 +29,11 @@ def _families():
           "original_max_position_embeddings": 64})),
       "llama_linear": (t.LlamaConfig, t.LlamaForCausalLM, dict(rope_parameters={
           "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+      "qwen2_yarn": (t.Qwen2Config, t.Qwen2ForCausalLM, dict(rope_parameters={
+          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+          "original_max_position_embeddings": 16})),
+      "phi3_partial": (t.Phi3Config, t.Phi3ForCausalLM, dict(
+          pad_token_id=0, partial_rotary_factor=0.5)),
       "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=WINDOW)),
       "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(pad_token_id=0)),
       "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, dict(
@@ -46,7 +51,8 @@ def _families():
 FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3",
             pytest.param("llama3", marks=pytest.mark.slow),
             pytest.param("llama_linear", marks=pytest.mark.slow),
-            pytest.param("phi3", marks=pytest.mark.slow)]
+            pytest.param("phi3", marks=pytest.mark.slow), "qwen2_yarn",
+            pytest.param("phi3_partial", marks=pytest.mark.slow)]
 _BUILT = {}
 
 
@@ -103,21 +109,25 @@ def test_family_logits_and_chunked_greedy_match_hf(name, tmp_path_factory):
   assert out.token_ids == _hf_greedy(hf, ids, 16), name
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama_linear"])
+@pytest.mark.parametrize("name", ["llama3", "llama_linear", "qwen2_yarn"])
 def test_rope_scaling_frequencies_equal_hf(name):
-  """Llama 3.1's and linear RoPE scaling: the inverse frequencies jaxinfer computes from
-  the loaded config equal HF's own (its rope init functions)."""
+  """Llama 3.1's, linear and YaRN RoPE scaling: the inverse frequencies (and YaRN's
+  attention factor) jaxinfer computes from the loaded config equal HF's own (its rope init
+  functions)."""
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
   from jaxinfer.loading.safetensors_loader import _rope
   from jaxinfer.model.layers import rope_frequencies
   conf_cls, _, extra = _families()[name]
   conf = conf_cls(**dict(COMMON, **extra))
   kind = conf.rope_parameters["rope_type"]
-  want, _ = ROPE_INIT_FUNCTIONS[kind](conf, "cpu")
-  theta, scaling = _rope(conf.rope_parameters, name)
+  want, factor = ROPE_INIT_FUNCTIONS[kind](conf, "cpu")
+  theta, scaling = _rope(conf.rope_parameters, name, conf.max_position_embeddings)
   assert scaling[0] == kind
-  got = np.asarray(rope_frequencies(conf.head_dim, theta, scaling))
+  head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+  got = np.asarray(rope_frequencies(head_dim, theta, scaling))
   np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+  if kind == "yarn":
+    assert factor > 1 and abs(scaling[5] - factor) < 1e-9
 
 
 def test_phi3_fused_projections_are_split_as_hf_holds_them(tmp_path_factory):

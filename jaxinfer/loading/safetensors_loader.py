@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import numpy as np
@@ -34,8 +35,9 @@ _SANDWICH_NAMES = dict(_LAYER_NAMES, **{
     "post_feedforward_layernorm.weight": "post_mlp_norm"})
 
 
-def _rope(params: dict | None, where: str):
-  """(theta, scaling tuple) from an HF rope_parameters / rope_scaling dict."""
+def _rope(params: dict | None, where: str, max_position: int | None = None):
+  """(theta, scaling tuple) from an HF rope_parameters / rope_scaling dict (max_position:
+  the config's, YaRN's factor where the dict leaves it out)."""
   params = params or {}
   kind = params.get("rope_type", params.get("type", "default"))
   theta = params.get("rope_theta")
@@ -47,8 +49,26 @@ def _rope(params: dict | None, where: str):
     return theta, ("llama3", float(params["factor"]), float(params["low_freq_factor"]),
                    float(params["high_freq_factor"]),
                    float(params["original_max_position_embeddings"]))
+  if kind == "yarn":
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if original is None or (factor is None and not max_position):
+      raise ModelLoadError(f"YaRN RoPE in {where} needs original_max_position_embeddings "
+                           "and a factor (or max_position_embeddings)")
+    factor = float(factor if factor is not None else max_position / original)
+
+    def mscale(scale, m=1.0):  # YaRN's attention temperature
+      return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    af = params.get("attention_factor")
+    if af is None:
+      m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+      af = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return theta, ("yarn", factor, float(original), float(params.get("beta_fast") or 32),
+                   float(params.get("beta_slow") or 1), float(af),
+                   bool(params.get("truncate", True)))
   raise ModelLoadError(f"RoPE type {kind!r} in {where} is not supported; supported: "
-                       "default, linear, llama3")
+                       "default, linear, llama3, yarn")
 
 
 def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
@@ -67,13 +87,11 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
   if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
     local_theta = _rope(rope.get("sliding_attention"), f)[0]
     rope = rope["full_attention"]
-  theta, scaling = _rope(rope, f)
+  theta, scaling = _rope(rope, f, c.get("max_position_embeddings"))
   theta = c.get("rope_theta") or theta or 10000.0
   if family == "gemma3" and local_theta is None:
     local_theta = c.get("rope_local_base_freq", 10000.0)
-  if c.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ModelLoadError(f"partial_rotary_factor={c['partial_rotary_factor']} in {f!r} is not "
-                         "supported (RoPE over the whole head only)")
+  partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
   L = c["num_hidden_layers"]
   window = c.get("sliding_window") or 0
   if family == "qwen2" and not c.get("use_sliding_window", False):
@@ -108,7 +126,8 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
       query_scale=float(qpas) ** -0.5 if gemma and qpas else None,
       attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
       final_softcap=c.get("final_logit_softcapping") if gemma else None,
-      layer_windows=windows, rope_local_theta=local_theta, rope_scaling=scaling)
+      layer_windows=windows, rope_local_theta=local_theta, rope_scaling=scaling,
+      partial_rotary=partial)
 
 
 def _split_fused(layer: dict, cfg: ModelConfig) -> None:

@@ -6,6 +6,8 @@ weight takes.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -21,16 +23,33 @@ def rms_norm(x, w, eps, offset: float = 0.0):
   return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling=()):
-  """RoPE's inverse frequencies [H/2], with the config's scaling: ("linear", factor)
-  divides them by the factor; ("llama3", factor, low, high, original_max_position) divides
-  the low frequencies (wavelength above original / low) by the factor, keeps the high
-  ones (below original / high) and blends those between (Llama 3.1)."""
-  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_frequencies(dim: int, theta: float, scaling=()):
+  """RoPE's inverse frequencies [dim/2] over the `dim` rotated dims of a head, with the
+  config's scaling: ("linear", factor) divides them by the factor; ("llama3", factor, low,
+  high, original_max_position) divides the low frequencies (wavelength above original /
+  low) by the factor, keeps the high ones (below original / high) and blends those between
+  (Llama 3.1); ("yarn", factor, original, beta_fast, beta_slow, attention_factor,
+  truncate) keeps the dims that turn more than beta_fast times over the original context,
+  divides those turning fewer than beta_slow times by the factor, and ramps linearly
+  between (YaRN; its attention factor scales cos and sin in rope_tables)."""
+  inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   if not scaling:
     return inv
   if scaling[0] == "linear":
     return inv / scaling[1]
+  if scaling[0] == "yarn":
+    _, factor, original, fast, slow, _, truncate = scaling
+
+    def dim_at(rotations):  # the dim whose wavelength fits `rotations` times in original
+      return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_at(fast), dim_at(slow)
+    if truncate:
+      lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - lo) / (hi - lo), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
   _, factor, low, high, original = scaling
   wavelen = 2 * jnp.pi / inv
   scaled = jnp.where(wavelen > original / low, inv / factor, inv)
@@ -40,20 +59,25 @@ def rope_frequencies(head_dim: int, theta: float, scaling=()):
   return jnp.where(medium, blended, scaled)
 
 
-def rope_tables(positions, head_dim: int, theta: float, scaling=()):
-  """cos, sin [T, H/2] for absolute positions [T] (HF "rotate half" convention)."""
-  inv_freq = rope_frequencies(head_dim, theta, scaling)
+def rope_tables(positions, dim: int, theta: float, scaling=()):
+  """cos, sin [T, dim/2] for absolute positions [T] over the `dim` rotated dims of a head
+  (HF "rotate half" convention); YaRN's attention factor scales both."""
+  inv_freq = rope_frequencies(dim, theta, scaling)
   ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-  return jnp.cos(ang), jnp.sin(ang)
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  if scaling and scaling[0] == "yarn":
+    cos, sin = cos * scaling[5], sin * scaling[5]
+  return cos, sin
 
 
 def apply_rope(x, cos, sin):
-  """x [T, heads, H]; rotates the two halves of H."""
-  h2 = x.shape[-1] // 2
+  """x [T, heads, H]; rotates the two halves of its first 2 x cos.shape[-1] dims (all of
+  H, or a partial rotary share), the rest pass through."""
+  h2 = cos.shape[-1]
   xf = x.astype(jnp.float32)
-  x1, x2 = xf[..., :h2], xf[..., h2:]
+  x1, x2, rest = xf[..., :h2], xf[..., h2:2 * h2], xf[..., 2 * h2:]
   c, s = cos[:, None, :], sin[:, None, :]
-  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)
 
 
 def activation(x, name: str):

@@ -37,10 +37,10 @@ def layer_tables(cfg: ModelConfig, positions):
   """The step's RoPE tables, computed once: (cos, sin) for full-attention layers and, for
   a model whose windowed layers have a RoPE base of their own (Gemma 3), theirs; the
   second is None otherwise."""
-  rope = layers.rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+  rope = layers.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
   local = None
   if cfg.rope_local_theta is not None and any(cfg.windows):
-    local = layers.rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+    local = layers.rope_tables(positions, cfg.rotary_dim, cfg.rope_local_theta)
   return rope, local
 
 
