@@ -255,67 +255,27 @@ def test_tensor_parallel_families_match_hf():
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {n: True for n in names}
 
 
-def test_pages_behind_a_sliding_window_are_released(tmp_path_factory):
-  """Mistral (window 16 in every layer, pages of 8 tokens): as requests advance, the
-  pages wholly behind the window are released, so each decoding request holds at most
-  window / page + 2 pages; three requests of 40 + 24 tokens run in a pool of 12 pages
-  (full attention would need 24) with fewer preemptions than the same run keeping every
-  page, and the greedy tokens equal HF's."""
+def _window_runs(tmp_path_factory, first_seed: int, n: int, num_pages: int, reserve: str):
+  """Mistral (window 16 in every layer, pages of 8): `n` requests of 40 + 24 tokens run
+  with the pages behind the window released (16) and kept (0), each run's greedy tokens
+  checked against HF's and the page invariants after every step. Per window: (most
+  requests running at once, most pages a decoding request held between steps,
+  preemptions)."""
   from jaxinfer.llm import LLM
   from jaxinfer.loading import load_model
   from jaxinfer.runtime.pages import HOLE
   from jaxinfer.runtime.scheduler import SchedulerConfig
   d, hf = _hf_dir("mistral", tmp_path_factory)
   m = load_model(d, "float32")
-  prompts = [_prompt(10 + i) for i in range(3)]
+  prompts = [_prompt(first_seed + i) for i in range(n)]
   want = [_hf_greedy(hf, p, 24) for p in prompts]
   sp = SamplingParams(max_tokens=24, ignore_eos=True)
   table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
                       query_sizes=(1, 16))
   runs = {}
   for window in (WINDOW, 0):
-    llm = LLM.from_loaded(m, warmup=False, num_pages=12, page_size=8, buckets=table,
-                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve="none",
-                                                    window=window))
-    eng = llm.engine
-    reqs = [eng.add_request(p, sp) for p in prompts]
-    most = 0
-    while eng.has_unfinished():
-      eng.step()
-      for r in reqs:
-        if eng.pm.has(r.request_id) and r.num_computed >= len(r.prompt_token_ids):
-          held = [p for p in eng.pm.page_table(r.request_id) if p != HOLE]
-          most = max(most, len(held))
-      eng.pm.check_invariants()
-    assert [r.output_token_ids for r in reqs] == want, window
-    runs[window] = (most, eng.scheduler.num_preemptions)
-  print("window release: (most pages held, preemptions) by window:", runs)
-  assert runs[WINDOW][0] <= WINDOW // 8 + 2, runs
-  assert runs[WINDOW][1] < runs[0][1], runs
-
-
-def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
-  """Mistral (window 16 in every layer, pages of 8), admission reserving to the end of
-  generation: a request of 40 + 24 tokens needs 8 pages with full attention, but with its
-  pages behind the window released it reserves only what it can hold during a step,
-  (window + chunk - 1) / page + 2 = 5, and holds window / page + 1 = 3 between steps; a
-  pool of 20 pages then runs all four requests at once instead of two, without a
-  preemption, and the greedy tokens equal HF's."""
-  from jaxinfer.llm import LLM
-  from jaxinfer.loading import load_model
-  from jaxinfer.runtime.pages import HOLE
-  from jaxinfer.runtime.scheduler import SchedulerConfig
-  d, hf = _hf_dir("mistral", tmp_path_factory)
-  m = load_model(d, "float32")
-  prompts = [_prompt(20 + i) for i in range(4)]
-  want = [_hf_greedy(hf, p, 24) for p in prompts]
-  sp = SamplingParams(max_tokens=24, ignore_eos=True)
-  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
-                      query_sizes=(1, 16))
-  runs = {}
-  for window in (WINDOW, 0):
-    llm = LLM.from_loaded(m, warmup=False, num_pages=20, page_size=8, buckets=table,
-                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve="end",
+    llm = LLM.from_loaded(m, warmup=False, num_pages=num_pages, page_size=8, buckets=table,
+                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve=reserve,
                                                     window=window))
     eng = llm.engine
     reqs = [eng.add_request(p, sp) for p in prompts]
@@ -324,10 +284,31 @@ def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
       eng.step()
       running = max(running, len(eng.scheduler.running))
       for r in reqs:
-        if eng.pm.has(r.request_id):
+        if eng.pm.has(r.request_id) and r.num_computed >= len(r.prompt_token_ids):
           held = max(held, sum(p != HOLE for p in eng.pm.page_table(r.request_id)))
       eng.pm.check_invariants()
     assert [r.output_token_ids for r in reqs] == want, window
     runs[window] = (running, held, eng.scheduler.num_preemptions)
-  print("admission with a window: (most running, most pages held, preemptions):", runs)
+  print(f"window release, reserve={reserve}: (most running, most pages held, "
+        f"preemptions) by window:", runs)
+  return runs
+
+
+def test_pages_behind_a_sliding_window_are_released(tmp_path_factory):
+  """As requests advance, the pages wholly behind the window are released, so each
+  decoding request holds at most window / page + 1 pages; three requests run in a pool
+  of 12 pages (full attention would need 24) with fewer preemptions than the same run
+  keeping every page (admission reserving nothing ahead)."""
+  runs = _window_runs(tmp_path_factory, 10, 3, num_pages=12, reserve="none")
+  assert runs[WINDOW][1] <= WINDOW // 8 + 1, runs
+  assert runs[WINDOW][2] < runs[0][2], runs
+
+
+def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
+  """Admission reserving to the end of generation: a request of 40 + 24 tokens needs 8
+  pages with full attention, but with its pages behind the window released it reserves
+  only what it can hold during a step, (window + chunk - 1) / page + 2 = 5, and holds
+  window / page + 1 = 3 between steps; a pool of 20 pages then runs all four requests at
+  once instead of two, without a preemption."""
+  runs = _window_runs(tmp_path_factory, 20, 4, num_pages=20, reserve="end")
   assert runs[WINDOW] == (4, WINDOW // 8 + 1, 0) and runs[0] == (2, 8, 0), runs
