@@ -312,3 +312,69 @@ def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
   once instead of two, without a preemption."""
   runs = _window_runs(tmp_path_factory, 20, 4, num_pages=20, reserve="end")
   assert runs[WINDOW] == (4, WINDOW // 8 + 1, 0) and runs[0] == (2, 8, 0), runs
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
+  """A GGUF file written from a random HF model as llama.cpp writes the family (gguf-py's
+  own tensor-name map; q/k rows not permuted; Gemma 2's norm weights stored as 1 + w, its
+  window, caps and layer pattern in the metadata, its query scale 1 / sqrt(head_dim), so
+  the HF model takes query_pre_attn_scalar = head_dim) loads as that family and gives HF's
+  f32 logits."""
+  import gguf
+  import torch
+  from jaxinfer.loading import load_model, tokenizer
+  monkeypatch.setattr(tokenizer, "tokenizer_from_gguf", lambda reader: None)
+  conf_cls, model_cls, extra = _families()[name]
+  if name == "gemma2":
+    extra = dict(extra, query_pre_attn_scalar=COMMON["head_dim"])
+  torch.manual_seed(0)
+  conf = conf_cls(**dict(COMMON, **extra))
+  conf._attn_implementation = "eager"
+  hf = model_cls(conf).eval()
+  with torch.no_grad():
+    for n, p in hf.named_parameters():
+      if "norm" in n or n.endswith("bias"):
+        p.add_(0.2 * torch.randn_like(p))
+  arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "gemma2": gguf.MODEL_ARCH.GEMMA2}[name]
+  L = COMMON["num_hidden_layers"]
+  path = str(tmp_path / f"{name}.gguf")
+  w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+  w.add_block_count(L)
+  w.add_context_length(COMMON["max_position_embeddings"])
+  w.add_embedding_length(COMMON["hidden_size"])
+  w.add_feed_forward_length(COMMON["intermediate_size"])
+  w.add_head_count(COMMON["num_attention_heads"])
+  w.add_head_count_kv(COMMON["num_key_value_heads"])
+  w.add_key_length(COMMON["head_dim"])
+  w.add_value_length(COMMON["head_dim"])
+  w.add_rope_freq_base(float(conf.rope_parameters["rope_theta"]))
+  w.add_layer_norm_rms_eps(conf.rms_norm_eps)
+  w.add_vocab_size(COMMON["vocab_size"])
+  if name == "gemma2":
+    w.add_sliding_window(WINDOW)
+    w.add_attn_logit_softcapping(conf.attn_logit_softcapping)
+    w.add_final_logit_softcapping(conf.final_logit_softcapping)
+  names = gguf.get_tensor_name_map(arch, L)
+  for key, t in hf.state_dict().items():
+    base, suffix = key.rsplit(".", 1)
+    if base == "lm_head" and conf.tie_word_embeddings:
+      continue
+    g = names.get_name(base)
+    assert g is not None, key
+    a = t.float().numpy()
+    if name == "gemma2" and base.endswith("norm"):
+      a = a + 1.0
+    w.add_tensor(f"{g}.{suffix}", a)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  m = load_model(path, "float32", use_cache=False)
+  assert m.cfg.family == name
+  ids = _prompt()
+  ours = full_logits(m.cfg, m.params, ids)
+  with torch.no_grad():
+    ref = hf(torch.tensor([ids])).logits[0].numpy()
+  err = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+  assert err < 1e-4, (name, err)

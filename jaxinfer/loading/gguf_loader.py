@@ -2,7 +2,10 @@
 
 Uses the `gguf` package's reader and dequantizers. llama-family files store the
 attn_q / attn_k rows permuted for llama.cpp's pairwise RoPE; we undo that to get the
-HF layout. Qwen3 files are not permuted.
+HF layout. Qwen2, Qwen3 and Gemma 2 files are not permuted. Gemma 2 files store each
+RMSNorm weight as 1 + w (llama.cpp multiplies by it as it is), so their norms take no
+offset here; the file does not carry the query scale, which is llama.cpp's for the
+family: 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 46-layer model (27B).
 """
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ from jaxinfer.loading.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen2", "gemma2")
 
 _LAYER_NAMES = {
     "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
     "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up",
     "ffn_down": "w_down", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm",
 }
+_BIAS_NAMES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}  # Qwen2
 
 
 def open_gguf(path: str):
@@ -73,12 +78,24 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
   eot = field(reader, "tokenizer.ggml.eot_token_id")
   eos_ids = tuple(int(x) for x in (eot, eos) if x is not None)
   bos = field(reader, "tokenizer.ggml.bos_token_id")
+  L = int(field(reader, f"{a}.block_count"))
+  gemma = arch == "gemma2"
+  extra = {}
+  if gemma:
+    window = int(field(reader, f"{a}.attention.sliding_window", 0) or 0)
+    caps = [field(reader, f"{a}.{k}_logit_softcapping") for k in ("attn", "final")]
+    extra = dict(hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+                 query_scale=(D / N if L == 46 else H) ** -0.5,
+                 attn_softcap=None if caps[0] is None else float(caps[0]),
+                 final_softcap=None if caps[1] is None else float(caps[1]),
+                 layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(L))
+                 if window else ())
   return ModelConfig(
       name=name or str(field(reader, "general.name", arch)),
-      family="llama" if arch == "llama" else "qwen3",
+      family=arch, qkv_bias="blk.0.attn_q.bias" in names, **extra,
       vocab_size=vocab, hidden_size=D,
       intermediate_size=int(field(reader, f"{a}.feed_forward_length")),
-      num_layers=int(field(reader, f"{a}.block_count")), num_heads=N, num_kv_heads=K,
+      num_layers=L, num_heads=N, num_kv_heads=K,
       head_dim=H, rope_theta=float(field(reader, f"{a}.rope.freq_base", 10000.0)),
       rms_norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
       tie_embeddings="output.weight" not in names,
@@ -121,7 +138,10 @@ def load_gguf(path: str, name: str | None = None):
     parts = t.name.split(".")
     if parts[0] == "blk":
       i, kind = int(parts[1]), parts[2]
-      if kind not in _LAYER_NAMES:
+      if parts[-1] == "bias" and kind in _BIAS_NAMES:
+        layers[i][_BIAS_NAMES[kind]] = w
+        continue
+      if kind not in _LAYER_NAMES or parts[-1] != "weight":
         log.warning("ignoring unknown GGUF tensor %s", t.name)
         continue
       if permuted and kind == "attn_q":
@@ -171,7 +191,7 @@ def load_blocks(reader, cfg: ModelConfig):
   head = None
   for t in reader.tensors:
     parts = t.name.split(".")
-    if parts[0] == "blk" and parts[2] in _MATMUL_KINDS:
+    if parts[0] == "blk" and parts[2] in _MATMUL_KINDS and parts[-1] == "weight":
       codes, scales = _blocks_of(t)
       if permuted and parts[2] in ("attn_q", "attn_k"):  # rows, as for the dense weights
         n = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
