@@ -125,10 +125,10 @@ class MatmulRateProbe:
   `rows` token rows through each layer matmul, `lm_rows` (default rows) through the LM head;
   dtype: of both operands (bf16: float32 accumulation and result, as the model's
   linear.Dense). native=True: the native CPU matmul a CPU executor runs such weights on
-  instead (pallas_kernels.cpu.weights: bf16 tiles on AMX / AVX512-BF16, f32 panels (AVX-512 or AVX2); x
-  float32, the weight in its packed layout); None (the default): native wherever
-  `native_kernel` says the executor runs one. The compute floor of a step is its FLOPs over
-  the rate of what runs it. Built once (inputs, packed weights, compiles); each call times
+  instead (pallas_kernels.cpu.weights: bf16 tiles on AMX / AVX512-BF16, f32 panels on
+  AVX-512 or AVX2; x float32, the weight in its packed layout); None (the default): native
+  wherever `native_kernel` says the executor runs one. The compute floor of a step is its
+  FLOPs over the rate of what runs it. Built once (inputs, packed weights, compiles); each call times
   every shape `repeats` times (median)."""
 
   def __init__(self, cfg: ModelConfig, rows: int, lm_rows: int | None = None,

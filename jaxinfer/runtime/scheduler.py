@@ -24,6 +24,7 @@ import functools
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from jaxinfer.costmodel.accounting import step_pages_bound
 from jaxinfer.runtime.pages import HOLE, PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request, State
@@ -547,11 +548,12 @@ class Scheduler:
     """The most pages r holds at once when every layer has a sliding window (0: no
     bound): the window behind its position plus the tokens one step writes (a chunk of
     the chunked policy, else its whole prompt), each end on a page of its own."""
-    if not self.config.window:
-      return 0
     cfg = self.config
-    step = min(cfg.chunk_size, cfg.token_budget) if cfg.policy == "chunked" else r.kv_tokens_at_end
-    return (cfg.window + step - 1) // self.pm.page_size + 2
+    if not cfg.window:
+      return 0
+    step = (min(cfg.chunk_size, cfg.token_budget) if cfg.policy == "chunked"
+            else r.kv_tokens_at_end)
+    return step_pages_bound(cfg.window, step, self.pm.page_size)
 
   def _behind_window(self, r: Request) -> None:
     """Release the pages no later query of `r` reads: keys before the window of its next

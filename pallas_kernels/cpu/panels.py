@@ -57,6 +57,6 @@ def reference(x, panels, layer=None):
 def matmul(x, panels, layer=None):
   """x [M, K] -> x @ W [M, N] float32 by the native call (`available()`)."""
   if not available():
-    raise RuntimeError("the f32 panel matmul needs the native CPU library and AVX-512F or AVX2 + FMA; "
-                       "see the log")
+    raise RuntimeError("the f32 panel matmul needs the native CPU library and AVX-512F or "
+                       "AVX2 + FMA; see the log")
   return native.stacked_call(TARGET, x, panels, layer, panels.shape[-3] * 16)

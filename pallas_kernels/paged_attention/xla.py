@@ -23,8 +23,10 @@ x86 machine (per-op profile in the README's performance section):
   peak); with one or two slots the dot form is faster. In jax 0.10.2 the reductions run
   as YNNPACK fusions over the gathered, masked copies (the gather is not fused into
   them), which is what the native call avoids.
-- Slots with several new tokens (prefill chunks, verify windows) score their own new
-  tokens causally first, then the cached blocks; their query rows make the dots large.
+- Slots with several new tokens (prefill chunks, verify windows) run in chunks of query
+  rows up to the longest real query: each chunk scores its slot's new tokens causally up
+  to itself, then the cached blocks, so the work follows the real tokens, not the
+  bucket's padded rows.
 - The gather takes whole page rows (`jnp.take` on [pages, page_size * Hc], clipped:
   "fill" mode adds a select to every element).
 
@@ -55,7 +57,7 @@ SLOT_BLOCK_TOKENS = 1024
 MAX_DOT_FORM_SLOTS = 2
 # Prefill blocks: score elements [K, R, Q, G, block] per block at most, and tokens per
 # slot per block at most (the block's scores stay in cache, and a short context does not
-# pay for a long block; docs/design.md, "prefill attention blocks").
+# pay for a long block; docs/design.md, "Prefill attention in XLA ops").
 PREFILL_BLOCK_SCORES = 1 << 19
 PREFILL_SLOT_BLOCK_TOKENS = 256
 # Query rows of a prefill slot per chunk (prefill_attention).
