@@ -47,11 +47,13 @@ def _families():
 
 # By default the families whose math differs most (biases; sliding windows; soft caps,
 # sandwich norms, offset norms, scaled embeddings, per-layer RoPE bases); the rest run in
-# the slow suite, and their one difference from Llama is checked below without a compile.
+# the slow suite, and their one difference from Llama (RoPE scalings, YaRN's included) is
+# checked below without a compile.
 FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3",
             pytest.param("llama3", marks=pytest.mark.slow),
             pytest.param("llama_linear", marks=pytest.mark.slow),
-            pytest.param("phi3", marks=pytest.mark.slow), "qwen2_yarn",
+            pytest.param("phi3", marks=pytest.mark.slow),
+            pytest.param("qwen2_yarn", marks=pytest.mark.slow),
             pytest.param("phi3_partial", marks=pytest.mark.slow)]
 _BUILT = {}
 
@@ -314,7 +316,7 @@ def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
   assert runs[WINDOW] == (4, WINDOW // 8 + 1, 0) and runs[0] == (2, 8, 0), runs
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("name", [pytest.param("qwen2", marks=pytest.mark.slow), "gemma2"])
 def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   """A GGUF file written from a random HF model as llama.cpp writes the family (gguf-py's
   own tensor-name map; q/k rows not permuted; Gemma 2's norm weights stored as 1 + w, its
