@@ -90,20 +90,25 @@ def _hf_greedy(model, ids, n):
   return out[0, len(ids):].tolist()
 
 
+def _logits_error(m, hf, ids) -> float:
+  """max |ours - HF's| f32 logits over every position of `ids`, over HF's largest."""
+  import torch
+  ours = full_logits(m.cfg, m.params, ids)
+  with torch.no_grad():
+    ref = hf(torch.tensor([ids])).logits[0].numpy()
+  return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_logits_and_chunked_greedy_match_hf(name, tmp_path_factory):
   """f32 logits within 1e-4 (relative to the logits' scale) of HF's at every position of a
   40-token prompt, and 16 greedy tokens through chunks of 16 equal HF's generate."""
-  import torch
   from jaxinfer.llm import LLM
   from jaxinfer.loading import load_model
   d, hf = _hf_dir(name, tmp_path_factory)
   m = load_model(d, "float32")
   ids = _prompt()
-  ours = full_logits(m.cfg, m.params, ids)
-  with torch.no_grad():
-    ref = hf(torch.tensor([ids])).logits[0].numpy()
-  err = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+  err = _logits_error(m, hf, ids)
   assert err < 1e-4, (name, err)
   table = BucketTable(token_sizes=(4, 16), request_sizes=(2,), page_table_sizes=(8,))
   llm = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table)
@@ -374,9 +379,5 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   w.close()
   m = load_model(path, "float32", use_cache=False)
   assert m.cfg.family == name
-  ids = _prompt()
-  ours = full_logits(m.cfg, m.params, ids)
-  with torch.no_grad():
-    ref = hf(torch.tensor([ids])).logits[0].numpy()
-  err = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+  err = _logits_error(m, hf, _prompt())
   assert err < 1e-4, (name, err)
