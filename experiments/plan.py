@@ -118,15 +118,18 @@ def cmd_capacity():
 
 def cmd_batch():
   rm = _model()
-  c, L = rm.costs, FLAGS.context
+  c = rm.costs
+  # 8.2.1's L k: the KV a step reads per request, each layer up to its sliding window
+  L = c.kv_read_tokens(FLAGS.context)
   k = c.kv_bytes_per_token
   rows = []
   for b in (int(x) for x in FLAGS.batches):
     rows.append({"batch": b, "bytes_per_round": F.bytes_per_round(c.d_w, b, L, k),
                  "bytes_per_output_token": F.bytes_per_output_token(c.d_w, b, L, k),
                  "bytes_per_output_token_rom": F.bytes_per_output_token(c.d_w, b, L, k, True),
-                 "round_ms": 1e3 * rm.decode_round(b, L)})
-  out = {"context": L, "b_kv": F.b_kv(c.d_w, L, k), "rows": rows}
+                 "round_ms": 1e3 * rm.decode_round(b, FLAGS.context)})
+  out = {"context": FLAGS.context, "kv_read_tokens": L, "b_kv": F.b_kv(c.d_w, L, k),
+         "rows": rows}
   if FLAGS.output_dir:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -137,7 +140,7 @@ def cmd_batch():
     ax.axvline(out["b_kv"], color="gray", linestyle=":", label=f"b_KV = {out['b_kv']}")
     ax.set_xlabel("batch")
     ax.set_ylabel("MB read per output token")
-    ax.set_title(f"{FLAGS.model}, context {L} (8.2.1)")
+    ax.set_title(f"{FLAGS.model}, context {FLAGS.context} (8.2.1)")
     ax.legend(fontsize=8)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     save(fig, os.path.join(FLAGS.output_dir, "plan_batch.png"), dpi=110)

@@ -117,3 +117,15 @@ def test_kv_accounting_prints_the_window_groups():
   assert (local["window"], local["layers"], local["pages_held_in_decode"]) == (64, 21, 5)
   assert (glob["window"], glob["pages_held_in_decode"]) == (0, 40)
   assert not local["engine_releases"]
+
+
+def test_plan_batch_reads_the_kv_a_window_holds():
+  """`plan batch` for Mistral-7B (window 4,096): past the window every decode round reads
+  the same KV per request, in its bytes columns and its round time alike."""
+  long = _run("experiments.plan", "batch", "--model=mistral-7b", "--context=16384")
+  win = _run("experiments.plan", "batch", "--model=mistral-7b", "--context=4096")
+  assert long["kv_read_tokens"] == win["kv_read_tokens"] == 4096
+  for a, b in zip(long["rows"], win["rows"]):
+    assert a["bytes_per_round"] == b["bytes_per_round"] and a["round_ms"] == b["round_ms"]
+  full = _run("experiments.plan", "batch", "--model=qwen3-8b", "--context=16384")
+  assert full["kv_read_tokens"] == 16384
