@@ -9,8 +9,8 @@ one of two layouts:
   trainer), restorable sharded and cast by orbax;
 - `params.bin` + `params.json` (flat=True: the converted-weight cache): every tensor's
   bytes one after another, 64-byte aligned, and their names, dtypes, shapes and offsets.
-  A restore maps the file and hands the tensors to the device (a warm start read
-  SmolLM2's 513 MB through orbax in 1.4-1.7 s; docs/design.md, start-up).
+  A restore maps the file and hands the tensors to the device, so a warm start reads
+  the weights once (docs/design.md, start-up).
 """
 from __future__ import annotations
 

@@ -137,6 +137,14 @@ def non_finite_weight(params) -> Optional[str]:
   return jax.tree_util.keystr(paths[bad[0]]) if len(bad) else None
 
 
+def _check_finite(params, path: str) -> None:
+  """ModelLoadError naming the first weight of `path` that holds NaN or Inf."""
+  bad = non_finite_weight(params)
+  if bad:
+    raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
+                         "damaged (it would generate NaN logits)")
+
+
 def _to_device(params, dtype):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a), dtype), params)
 
@@ -231,10 +239,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
     if params is None:
       raw, cfg, _ = gguf_loader.load_gguf(path, name)
       params = _to_device(raw, jdtype)
-      bad = non_finite_weight(params)
-      if bad:
-        raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
-                             "damaged (it would generate NaN logits)")
+      _check_finite(params, path)  # before the cache holds them: a restore trusts it
       checked = True
       if use_cache:
         if os.path.isdir(ckpt_dir):  # the damaged entry found above
@@ -246,10 +251,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
           log.warning("could not cache converted weights in %s: %s", ckpt_dir, e)
   else:
     raise ModelLoadError(f"{path!r} is neither a .gguf file nor a model directory")
-  bad = None if checked else non_finite_weight(params)
-  if bad:
-    raise ModelLoadError(f"weight {bad} of {path} holds NaN or Inf values: the file is "
-                         "damaged (it would generate NaN logits)")
+  if not checked:
+    _check_finite(params, path)
   params = stack_layers(params) if scan_layers else unstack_layers(params)
   loaded = LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)
   if weight_format == "gguf":

@@ -561,10 +561,12 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   sh->fn = Select(a.H, a.G);
   a.deep = IsAmd() ? std::max<int64_t>(2, kDeepTokens / a.kp.ps) : 0;
 
+  // the work is the tokens each slot reads: under a window, its span only
   int64_t tokens = 0, longest = 0;
   for (int64_t r = 0; r < a.R; ++r) {
-    tokens += a.cached_len[r];
-    longest = a.cached_len[r] > longest ? a.cached_len[r] : longest;
+    const int64_t span = Context(a, r) - FirstKey(a, r) / a.kp.ps * a.kp.ps;
+    tokens += span;
+    longest = span > longest ? span : longest;
   }
   const bool parallel = tokens * a.K >= min_parallel_tokens;
   std::vector<float> part;
