@@ -124,10 +124,14 @@ def cmd_batch():
   k = c.kv_bytes_per_token
   rows = []
   for b in (int(x) for x in FLAGS.batches):
-    rows.append({"batch": b, "bytes_per_round": F.bytes_per_round(c.d_w, b, L, k),
-                 "bytes_per_output_token": F.bytes_per_output_token(c.d_w, b, L, k),
-                 "bytes_per_output_token_rom": F.bytes_per_output_token(c.d_w, b, L, k, True),
-                 "round_ms": 1e3 * rm.decode_round(b, FLAGS.context)})
+    d_w = c.weights_read(b)  # a mixture of experts reads the experts b tokens reach
+    row = {"batch": b, "bytes_per_round": F.bytes_per_round(d_w, b, L, k),
+           "bytes_per_output_token": F.bytes_per_output_token(d_w, b, L, k),
+           "bytes_per_output_token_rom": F.bytes_per_output_token(d_w, b, L, k, True),
+           "round_ms": 1e3 * rm.decode_round(b, FLAGS.context)}
+    if c.cfg.num_experts:
+      row.update(experts_touched=c.cfg.expected_experts_touched(b), weights_read=d_w)
+    rows.append(row)
   out = {"context": FLAGS.context, "kv_read_tokens": L, "b_kv": F.b_kv(c.d_w, L, k),
          "rows": rows}
   if FLAGS.output_dir:

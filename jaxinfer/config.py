@@ -12,9 +12,11 @@ import numbers
 from typing import Optional, Tuple
 
 
-FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe",
+            "mixtral", "deepseek_v3")
 ROPE_SCALINGS = {"linear": 2, "llama3": 5, "yarn": 7}  # kind -> entries of its tuple
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROUTERS = ("softmax", "sigmoid")  # how a mixture of experts scores its experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,18 @@ class ModelConfig:
   #                            original_max_position, beta_fast, beta_slow,
   #                            attention_factor, truncate)
   partial_rotary: float = 1.0  # share of each head's dims RoPE rotates (the first ones)
+  # --- mixture of experts (num_experts 0: every layer has the dense MLP) ------------------
+  num_experts: int = 0  # E routed experts per MoE layer
+  experts_per_token: int = 0  # k: the experts each token is routed to
+  moe_intermediate_size: int = 0  # each expert's FFN width
+  router: str = "softmax"  # softmax over all experts (Qwen3-MoE, Mixtral) | sigmoid scores
+  #                          with a selection bias and group-limited choice (DeepSeek-V3)
+  norm_topk_prob: bool = True  # the k weights renormalised to sum to 1
+  routed_scaling: float = 1.0  # the routed experts' sum scaled (DeepSeek-V3: 2.5)
+  expert_groups: int = 1  # sigmoid router: experts in this many groups; a token picks from
+  expert_groups_kept: int = 1  # the best groups only (by the sum of each group's top 2)
+  shared_expert_size: int = 0  # FFN width of an always-on shared expert MLP (0: none)
+  first_dense_layers: int = 0  # the first layers keep the dense MLP (DeepSeek-V3: 3)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -76,6 +90,26 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.num_experts:
+      if self.router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+      if not 1 <= self.experts_per_token <= self.num_experts:
+        raise ValueError(f"experts_per_token must be in [1, num_experts={self.num_experts}]"
+                         f", got {self.experts_per_token}")
+      if self.moe_intermediate_size < 1:
+        raise ValueError(f"moe_intermediate_size must be >= 1 with num_experts="
+                         f"{self.num_experts}, got {self.moe_intermediate_size}")
+      g, kept = self.expert_groups, self.expert_groups_kept
+      if g < 1 or self.num_experts % g or not 1 <= kept <= g:
+        raise ValueError(f"expert_groups={g} must divide num_experts={self.num_experts} and "
+                         f"expert_groups_kept={kept} must be in [1, {g}]")
+      if kept * (self.num_experts // g) < self.experts_per_token:
+        raise ValueError(f"expert_groups_kept={kept} groups of {self.num_experts // g} "
+                         f"experts hold fewer than experts_per_token="
+                         f"{self.experts_per_token}")
+      if not 0 <= self.first_dense_layers <= self.num_layers:
+        raise ValueError(f"first_dense_layers must be in [0, {self.num_layers}], got "
+                         f"{self.first_dense_layers}")
 
   def check_tp(self, tp: int) -> None:
     """Raise unless tensor parallelism over `tp` devices splits the query heads, the KV
@@ -111,35 +145,84 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
   # --- sizes derived from the config (8.1, 8.2.1); never typed in -------------------
-  def layer_param_count(self) -> int:
-    d, n, k, h, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.intermediate_size)
+  @property
+  def moe_layers(self) -> int:
+    """Layers whose MLP is a mixture of experts (the rest keep the dense MLP)."""
+    return self.num_layers - self.first_dense_layers if self.num_experts else 0
+
+  def attention_param_count(self) -> int:
+    """One layer's attention projections (with biases) and its norms."""
+    d, n, k, h = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
     attn = d * n * h + 2 * d * k * h + n * h * d + ((n + 2 * k) * h if self.qkv_bias else 0)
-    mlp = 3 * d * f
     norms = (4 if self.sandwich_norms else 2) * d + (2 * h if self.qk_norm else 0)
-    return attn + mlp + norms
+    return attn + norms
+
+  def expert_param_count(self) -> int:
+    """One routed expert's gate, up and down matrices."""
+    return 3 * self.hidden_size * self.moe_intermediate_size
+
+  def moe_mlp_param_count(self, experts: Optional[float] = None) -> float:
+    """One MoE layer's MLP holding `experts` routed experts (default all of them): the
+    router (and a sigmoid router's selection bias), the shared expert, the experts."""
+    e = self.num_experts if experts is None else experts
+    router = self.hidden_size * self.num_experts + (
+        self.num_experts if self.router == "sigmoid" else 0)
+    return router + 3 * self.hidden_size * self.shared_expert_size + e * \
+        self.expert_param_count()
+
+  def layer_param_count(self) -> int:
+    """One dense layer's parameters (attention, norms, the dense MLP)."""
+    return self.attention_param_count() + 3 * self.hidden_size * self.intermediate_size
+
+  def layers_param_count(self, experts: Optional[float] = None) -> int:
+    """All layers' parameters, each MoE layer holding `experts` routed experts (default:
+    all; experts_per_token: the parameters one token's product runs through)."""
+    dense = self.num_layers - self.moe_layers
+    return int(dense * self.layer_param_count() + self.moe_layers * (
+        self.attention_param_count() + self.moe_mlp_param_count(experts)))
 
   def param_count(self) -> int:
     emb = self.vocab_size * self.hidden_size
     head = 0 if self.tie_embeddings else emb
-    return emb + head + self.num_layers * self.layer_param_count() + self.hidden_size
+    return emb + head + self.layers_param_count() + self.hidden_size
+
+  def active_param_count(self) -> int:
+    """Parameters one token's product runs through (its routed experts only; 8.4.1's
+    active parameters, the embedding table counted once as in the published figures)."""
+    emb = self.vocab_size * self.hidden_size
+    head = 0 if self.tie_embeddings else emb
+    return emb + head + self.layers_param_count(self.experts_per_token) + self.hidden_size
 
   def weight_bytes(self, bytes_per_param: float = 2.0) -> int:
     """Total stored weight bytes (the chapter's reference data: Qwen3-8B bf16 = 16,381,470,720)."""
     return int(self.param_count() * bytes_per_param)
 
-  def weight_bytes_read_per_step(self, bytes_per_param: float = 2.0) -> int:
+  def expected_experts_touched(self, tokens: float) -> float:
+    """Routed experts of one MoE layer that `tokens` tokens reach, expected under uniform
+    routing: each token picks k of E without replacement, so an expert escapes one token
+    with probability 1 - k/E and all of them with (1 - k/E)^tokens."""
+    if not self.num_experts:
+      return 0.0
+    e, k = self.num_experts, self.experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0))
+
+  def weight_bytes_read_per_step(self, bytes_per_param: float = 2.0,
+                                 tokens: Optional[float] = None) -> int:
     """D_w (8.2.1): matrix weights one step reads; the embedding table is only looked up.
 
-    With tied embeddings the table doubles as the LM head and is read whole.
+    With tied embeddings the table doubles as the LM head and is read whole. A mixture of
+    experts reads only the experts the step's `tokens` reach (expected under uniform
+    routing; None: all of them, the bound a large batch approaches).
     """
     emb = self.vocab_size * self.hidden_size
-    read = self.param_count() - (0 if self.tie_embeddings else emb)
+    experts = None if tokens is None else self.expected_experts_touched(tokens)
+    read = emb + self.layers_param_count(experts) + self.hidden_size  # head or tied table
     return int(read * bytes_per_param)
 
   def flops_per_token(self) -> int:
     """Matmul FLOPs per token, excluding attention over context (2 per MAC)."""
-    return 2 * (self.num_layers * self.layer_param_count() + self.vocab_size * self.hidden_size)
+    return 2 * (self.layers_param_count(self.experts_per_token)
+                + self.vocab_size * self.hidden_size)
 
   def attention_flops_per_pair(self) -> int:
     """FLOPs per causal (query, key) pair summed over layers: QK^T and PV."""

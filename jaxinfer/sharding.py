@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 TP = "tp"
 # logical axis (model.params.WeightSpec.axes) -> mesh axis; None: replicated
 RULES = (("q_heads", TP), ("kv_heads", TP), ("mlp", TP), ("vocab", TP),
-         ("embed", None), ("layers", None), ("head_dim", None))
+         ("embed", None), ("layers", None), ("head_dim", None), ("experts", None),
+         ("expert_scores", None))
 
 
 @dataclasses.dataclass(frozen=True)

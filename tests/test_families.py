@@ -42,6 +42,11 @@ def _families():
       "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, dict(
           sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
           layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+      "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, dict(
+          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+          norm_topk_prob=False)),
+      "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(
+          num_local_experts=4, num_experts_per_tok=2)),
   }
 
 
@@ -49,7 +54,7 @@ def _families():
 # sandwich norms, offset norms, scaled embeddings, per-layer RoPE bases); the rest run in
 # the slow suite, and their one difference from Llama (RoPE scalings, YaRN's included) is
 # checked below without a compile.
-FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3",
+FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "mixtral",
             pytest.param("llama3", marks=pytest.mark.slow),
             pytest.param("llama_linear", marks=pytest.mark.slow),
             pytest.param("phi3", marks=pytest.mark.slow),

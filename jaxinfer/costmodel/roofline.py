@@ -41,12 +41,24 @@ class ModelCosts:
 
   @property
   def d_w(self) -> int:
-    """Weight bytes one step reads (embedding rows are only looked up)."""
+    """Weight bytes a step reads (embedding rows are only looked up); for a mixture of
+    experts the bound with every expert read (see weights_read)."""
     return self.cfg.weight_bytes_read_per_step(self.bytes_per_param)
+
+  def weights_read(self, tokens: float) -> int:
+    """Weight bytes a step of `tokens` new tokens reads: D_w for a dense model; a mixture
+    of experts reads the experts its tokens reach (expected under uniform routing), so
+    its bytes per step grow with the batch until every expert is read."""
+    if not self.cfg.num_experts:
+      return self.d_w
+    return self.cfg.weight_bytes_read_per_step(self.bytes_per_param, tokens)
 
   @property
   def ffn_bytes_per_layer(self) -> int:
-    return int(3 * self.cfg.hidden_size * self.cfg.intermediate_size * self.bytes_per_param)
+    cfg = self.cfg
+    if cfg.num_experts:  # an MoE layer's whole MLP (router, shared and routed experts)
+      return int(cfg.moe_mlp_param_count() * self.bytes_per_param)
+    return int(3 * cfg.hidden_size * cfg.intermediate_size * self.bytes_per_param)
 
   @property
   def kv_bytes_per_token(self) -> float:
@@ -54,8 +66,9 @@ class ModelCosts:
 
   @property
   def flops_per_token(self) -> int:
-    """Matmul FLOPs per new token through the layers (LM head counted per sampled row)."""
-    return 2 * self.cfg.num_layers * self.cfg.layer_param_count()
+    """Matmul FLOPs per new token through the layers (LM head counted per sampled row); a
+    mixture of experts runs each token through its k routed experts only."""
+    return 2 * self.cfg.layers_param_count(self.cfg.experts_per_token)
 
   @property
   def lm_head_flops(self) -> int:
@@ -104,7 +117,7 @@ class ModelCosts:
     full = self.cfg.windows.count(0) / self.cfg.num_layers
     ctx = (sum(self.kv_read_tokens(h + c) for c, h in seqs)
            - shared_tokens * max(n - 1, 0) * full)
-    return self.d_w + ctx * self.kv_bytes_per_token
+    return self.weights_read(sum(c for c, _ in seqs)) + ctx * self.kv_bytes_per_token
 
 
 @dataclasses.dataclass

@@ -15,7 +15,8 @@ from jaxinfer.loading.errors import ModelLoadError
 _ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
           "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
           "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-          "Gemma3ForCausalLM": "gemma3"}
+          "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
+          "MixtralForCausalLM": "mixtral"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
     "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
@@ -26,7 +27,13 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
     # Phi-3 keeps q, k, v and gate, up side by side (split at load: _split_fused)
     "self_attn.qkv_proj.weight": "wq+wk+wv", "mlp.gate_up_proj.weight": "w_gate+w_up",
+    # mixtures of experts: the router (each expert's matrices: _EXPERT_NAMES)
+    "mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router",
 }
+# "<layer>.<mlp>.experts.<j>.<name>" -> the stacked [E, ...] weight it is row j of
+_EXPERT_NAMES = {"gate_proj.weight": "experts_gate", "up_proj.weight": "experts_up",
+                 "down_proj.weight": "experts_down", "w1.weight": "experts_gate",
+                 "w3.weight": "experts_up", "w2.weight": "experts_down"}
 # Gemma 2/3 norm the attention and MLP outputs too: their post_attention_layernorm is the
 # attention output's, pre_feedforward_layernorm the MLP input's
 _SANDWICH_NAMES = dict(_LAYER_NAMES, **{
@@ -111,6 +118,7 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
     raise ModelLoadError(f"activation {act!r} in {f!r} is not supported; supported: "
                          f"{sorted(acts)}")
   qpas = c.get("query_pre_attn_scalar")
+  moe = _moe_fields(c, family, L, f)
   return ModelConfig(
       name=name or os.path.basename(os.path.normpath(path)), family=family,
       vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -120,14 +128,41 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
       rms_norm_eps=c.get("rms_norm_eps", 1e-6),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       max_position=c.get("max_position_embeddings", 4096),
-      qk_norm=family in ("qwen3", "gemma3"), bos_token_id=c.get("bos_token_id"),
+      qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), bos_token_id=c.get("bos_token_id"),
       eos_token_ids=eos, qkv_bias=family == "qwen2", hidden_act=acts[act],
       norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
       query_scale=float(qpas) ** -0.5 if gemma and qpas else None,
       attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
       final_softcap=c.get("final_logit_softcapping") if gemma else None,
       layer_windows=windows, rope_local_theta=local_theta, rope_scaling=scaling,
-      partial_rotary=partial)
+      partial_rotary=partial, **moe)
+
+
+def _moe_fields(c: dict, family: str, L: int, where: str) -> dict:
+  """ModelConfig's mixture-of-experts fields from an HF config (none for a dense family)."""
+  if family == "mixtral":  # every layer an MoE of num_local_experts, renormalised top-k
+    return dict(num_experts=c["num_local_experts"], experts_per_token=c["num_experts_per_tok"],
+                moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True)
+  if family == "deepseek_v3":  # sigmoid, group-limited router; shared experts; dense first
+    return dict(num_experts=c["n_routed_experts"], experts_per_token=c["num_experts_per_tok"],
+                moe_intermediate_size=c["moe_intermediate_size"], router="sigmoid",
+                norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+                routed_scaling=float(c.get("routed_scaling_factor", 1.0)),
+                expert_groups=c.get("n_group") or 1, expert_groups_kept=c.get("topk_group") or 1,
+                shared_expert_size=c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0),
+                first_dense_layers=min(c.get("first_k_dense_replace", 0), L))
+  if family != "qwen3_moe":
+    return {}
+  step = c.get("decoder_sparse_step", 1) or 1
+  dense = [i for i in range(L) if i in (c.get("mlp_only_layers") or []) or (i + 1) % step]
+  if dense != list(range(len(dense))):
+    raise ModelLoadError(f"{where}: dense MLP layers {dense} among the MoE layers; jaxinfer "
+                         "runs dense layers only before the first MoE layer")
+  return dict(num_experts=c.get("num_experts") or c["num_local_experts"],
+              experts_per_token=c["num_experts_per_tok"],
+              moe_intermediate_size=c["moe_intermediate_size"],
+              norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+              first_dense_layers=len(dense))
 
 
 def _split_fused(layer: dict, cfg: ModelConfig) -> None:
@@ -139,6 +174,27 @@ def _split_fused(layer: dict, cfg: ModelConfig) -> None:
       w = layer.pop(key)
       parts = np.split(w, np.cumsum(sizes)[:-1], axis=-1)
       layer.update(zip(key.split("+"), parts))
+
+
+def _expert_key(sub: str):
+  """(stacked name, expert index) of a per-expert tensor name, or None."""
+  parts = sub.split(".")
+  if len(parts) == 5 and parts[1] == "experts" and parts[2].isdigit():
+    name = _EXPERT_NAMES.get(".".join(parts[3:]))
+    return None if name is None else (name, int(parts[2]))
+  return None
+
+
+def _stack_experts(layer: dict, cfg: ModelConfig, path: str) -> None:
+  """Each expert matrix's per-expert rows ({j: [in, out]}) stacked [E, in, out]."""
+  for name in ("experts_gate", "experts_up", "experts_down"):
+    rows = layer.get(name)
+    if rows is None:
+      continue
+    if sorted(rows) != list(range(cfg.num_experts)):
+      raise ModelLoadError(f"{path!r}: {name} holds experts {sorted(rows)}, expected "
+                           f"0..{cfg.num_experts - 1}")
+    layer[name] = np.stack([rows[j] for j in range(cfg.num_experts)])
 
 
 def load_safetensors_dir(path: str, name: str | None = None):
@@ -161,6 +217,11 @@ def load_safetensors_dir(path: str, name: str | None = None):
       if key.startswith("model.layers."):
         rest = key[len("model.layers."):]
         i, sub = rest.split(".", 1)
+        expert = _expert_key(sub)
+        if expert is not None:
+          name, j = expert
+          layers[int(i)].setdefault(name, {})[j] = w.T
+          continue
         if sub not in names:
           continue
         layers[int(i)][names[sub]] = w.T if w.ndim == 2 else w
@@ -172,6 +233,7 @@ def load_safetensors_dir(path: str, name: str | None = None):
         params["lm_head"] = w.T
   for layer in layers:
     _split_fused(layer, cfg)
+    _stack_experts(layer, cfg, path)
   if "embed" not in params or "final_norm" not in params:
     raise ModelLoadError(f"{path!r} lacks model.embed_tokens.weight or model.norm.weight")
   return params, cfg

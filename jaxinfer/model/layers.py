@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxinfer import attention
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import moe
 from jaxinfer.model.linear import linear, linear_group
 
 
@@ -85,6 +86,10 @@ def activation(x, name: str):
 
 
 def mlp(x, p, cfg: ModelConfig):
+  """The layer's MLP: SwiGLU / GeGLU, or a mixture of experts of them (moe.py)."""
+  if cfg.num_experts:
+    with jax.named_scope("moe"):
+      return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act))
   with jax.named_scope("mlp"):
     g, u = linear_group(x, p, ("w_gate", "w_up"))  # [T, F] each
     h = (activation(g, cfg.hidden_act) * u).astype(x.dtype)

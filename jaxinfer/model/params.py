@@ -19,7 +19,7 @@ from jaxinfer.config import ModelConfig
 class WeightSpec:
   shape: Tuple[int, ...]
   axes: Tuple[str, ...]  # logical axes, for sharding rules
-  init: str = "normal"  # "normal" | "ones"
+  init: str = "normal"  # "normal" | "ones" | "zeros"
 
 
 def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
@@ -32,10 +32,12 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
       "wv": WeightSpec((D, K * H), ("embed", "kv_heads")),
       "wo": WeightSpec((N * H, D), ("q_heads", "embed")),
       "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
+  }
+  specs.update(moe_specs(cfg) if cfg.num_experts else {
       "w_gate": WeightSpec((D, F), ("embed", "mlp")),
       "w_up": WeightSpec((D, F), ("embed", "mlp")),
       "w_down": WeightSpec((F, D), ("mlp", "embed")),
-  }
+  })
   if cfg.qkv_bias:
     specs["bq"] = WeightSpec((N * H,), ("q_heads",))
     specs["bk"] = WeightSpec((K * H,), ("kv_heads",))
@@ -46,6 +48,32 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
   if cfg.qk_norm:
     specs["q_norm"] = WeightSpec((H,), ("head_dim",), "ones")
     specs["k_norm"] = WeightSpec((H,), ("head_dim",), "ones")
+  return specs
+
+
+def moe_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+  """A mixture-of-experts MLP: the router [D, E], the experts stacked [E, ...] (their
+  own logical axis, for expert parallelism), a sigmoid router's selection bias and the
+  shared expert where the family has them."""
+  if cfg.first_dense_layers and cfg.moe_layers:
+    raise NotImplementedError(
+        f"{cfg.name}: the model runs layers that are all dense or all MoE; this config has "
+        f"first_dense_layers={cfg.first_dense_layers} dense layers before its MoE layers "
+        f"(the cost model and planner price it)")
+  D, E, Fm, Fs = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                  cfg.shared_expert_size)
+  specs = {
+      "router": WeightSpec((D, E), ("embed", "expert_scores")),
+      "experts_gate": WeightSpec((E, D, Fm), ("experts", "embed", "mlp")),
+      "experts_up": WeightSpec((E, D, Fm), ("experts", "embed", "mlp")),
+      "experts_down": WeightSpec((E, Fm, D), ("experts", "mlp", "embed")),
+  }
+  if cfg.router == "sigmoid":
+    specs["router_bias"] = WeightSpec((E,), ("expert_scores",), "zeros")
+  if Fs:
+    specs["shared_gate"] = WeightSpec((D, Fs), ("embed", "mlp"))
+    specs["shared_up"] = WeightSpec((D, Fs), ("embed", "mlp"))
+    specs["shared_down"] = WeightSpec((Fs, D), ("mlp", "embed"))
   return specs
 
 
@@ -74,8 +102,9 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, std: float = 0.02):
   keys = jax.random.split(key, len(leaves))
   out = []
   for k, s in zip(keys, leaves):
-    if s.init == "ones":
-      out.append(jnp.ones(s.shape, dtype) + 0.1 * jax.random.normal(k, s.shape, dtype))
+    if s.init in ("ones", "zeros"):
+      base = 1.0 if s.init == "ones" else 0.0
+      out.append(base + 0.1 * jax.random.normal(k, s.shape, dtype))
     else:
       out.append((std * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -169,19 +169,22 @@ def _packed(params) -> Optional[dict]:
   layers = params["layers"]
   dtype = layers["wq"].dtype
   found = kernel_for(dtype)
-  names = [n for g in GROUPS for n in g]
-  if found is None or not all(n in layers and layers[n].dtype == dtype for n in names):
+  # the groups the layers hold (a mixture of experts has no dense MLP: its experts stay
+  # stacked for the model's grouped product)
+  groups = [g for g in GROUPS if all(n in layers for n in g)]
+  names = [n for g in groups for n in g]
+  if found is None or not all(layers[n].dtype == dtype for n in names):
     return None
   kernel, form = found
   head, transposed = _head(params)
   head = head.T if transposed else head
   fused = {"+".join(g): (jnp.concatenate([layers[n] for n in g], -1) if len(g) > 1
-                         else layers[g[0]]) for g in GROUPS}
+                         else layers[g[0]]) for g in groups}
   if not (head.dtype == dtype and kernel.packable(head)
           and all(kernel.packable(w) for w in fused.values())):
     return None
   out = {k: v for k, v in layers.items() if k not in names}
-  for g in GROUPS:
+  for g in groups:
     out["+".join(g)] = form(kernel.pack(fused["+".join(g)]), None, _splits(layers, g))
   return dict(params, layers=out, lm_head=form(kernel.pack(head), None, (head.shape[-1],)))
 
@@ -195,6 +198,8 @@ def _halves(params) -> dict:
         out[k] = v
       elif v.ndim == 1 + stacked:  # a norm: read in float32 by the model anyway
         out[k] = v.astype(jnp.float32)
+      elif v.ndim > 2 + stacked:  # stacked experts: the model's grouped product reads them
+        out[k] = v
       else:
         out[k] = Half(jax.lax.bitcast_convert_type(v, jnp.uint16) if stacked else v)
     return out

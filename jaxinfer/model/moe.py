@@ -1,0 +1,131 @@
+"""The mixture-of-experts MLP: a router picks k of E experts per token, each token runs
+through its k expert MLPs only, and their outputs are summed with the router's weights.
+
+Dropless: every (token, expert) assignment is computed, whatever the routing (no capacity
+factor). The assignments are sorted by expert so each expert's rows are contiguous, then
+the experts' products run grouped:
+  - on GPU / TPU as `jax.lax.ragged_dot` over the sorted rows (one grouped matmul);
+  - on CPU, where XLA lowers ragged_dot to every expert over every row (measured:
+    docs/design.md), as a loop over slabs of sorted rows, each slab holding one
+    expert's rows (each expert's group padded to whole slabs), so a step reads only the
+    experts its tokens reach and computes at most one partial slab per expert extra.
+Letters: T tokens, D model dim, E experts, k experts per token, F an expert's width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.linear import linear
+
+
+def route(logits, cfg: ModelConfig, bias=None):
+  """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int32).
+
+  softmax: the top k of softmax over all experts, renormalised to sum to 1 where the
+  family does (Mixtral, Qwen3-MoE's norm_topk_prob). sigmoid (DeepSeek-V3): sigmoid
+  scores; the choice adds the selection `bias` and keeps only the expert_groups_kept best
+  groups (a group's score: the sum of its two best biased scores); the weights are the
+  unbiased scores of the chosen experts, renormalised where configured, times
+  routed_scaling.
+  """
+  k = cfg.experts_per_token
+  logits = logits.astype(jnp.float32)
+  if cfg.router == "softmax":
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    g = cfg.expert_groups
+    if g > 1:
+      T, E = choice.shape
+      grouped = choice.reshape(T, g, E // g)
+      group_score = jax.lax.top_k(grouped, min(2, E // g))[0].sum(-1)  # [T, g]
+      _, kept = jax.lax.top_k(group_score, cfg.expert_groups_kept)
+      keep = jnp.zeros((T, g), bool).at[jnp.arange(T)[:, None], kept].set(True)
+      choice = jnp.where(jnp.repeat(keep, E // g, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if cfg.norm_topk_prob and k > 1:
+    weights = weights / (weights.sum(-1, keepdims=True) + (
+        1e-20 if cfg.router == "sigmoid" else 0.0))
+  return weights * cfg.routed_scaling, experts.astype(jnp.int32)
+
+
+def slab_rows(assignments: int, num_experts: int) -> int:
+  """Rows per slab of the CPU loop (static): about the rows an expert gets under even
+  routing, as a power of two in [8, 64] (small enough that padding each touched expert to
+  whole slabs stays cheap, large enough that an expert's weights are read once per slab
+  of many rows)."""
+  per_expert = max(1, -(-assignments // num_experts))
+  return min(64, max(8, 1 << (per_expert - 1).bit_length()))
+
+
+def _expert_mlp(x, wg, wu, wd, act):
+  """x [M, D] through one expert's (or a group's, by ragged products) gated MLP."""
+  h = act(jnp.einsum("md,df->mf", x, wg.astype(x.dtype), preferred_element_type=jnp.float32))
+  u = jnp.einsum("md,df->mf", x, wu.astype(x.dtype), preferred_element_type=jnp.float32)
+  return jnp.einsum("mf,fd->md", (h * u).astype(x.dtype), wd.astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def grouped_experts(x_sorted, expert_sorted, sizes, wg, wu, wd, act, *, ragged: bool):
+  """The gated MLP of each sorted row's expert: x_sorted [A, D] (rows sorted by expert),
+  expert_sorted [A], sizes [E] rows per expert; wg, wu [E, D, F], wd [E, F, D].
+  Returns [A, D] float32."""
+  if ragged:
+    dt = x_sorted.dtype
+    rd = lambda a, w: jax.lax.ragged_dot(a, w.astype(dt), sizes,  # noqa: E731
+                                         preferred_element_type=jnp.float32)
+    h = (act(rd(x_sorted, wg)) * rd(x_sorted, wu)).astype(dt)
+    return rd(h, wd)
+  A, D = x_sorted.shape
+  E = wg.shape[0]
+  b = slab_rows(A, E)
+  slabs = (A + min(E, A) * (b - 1)) // b  # bound: each touched expert pads < one slab
+  padded = -(-sizes // b) * b  # [E] each expert's rows rounded up to whole slabs
+  start = jnp.cumsum(padded) - padded  # first padded row of each expert
+  first = jnp.cumsum(sizes) - sizes  # first sorted row of each expert
+  row = start[expert_sorted] + jnp.arange(A) - first[expert_sorted]  # padded row of each
+  xp = jnp.zeros((slabs * b, D), x_sorted.dtype).at[row].set(x_sorted)
+  # the expert of each slab: the last expert starting at or before it; slabs past the
+  # last used one stay zero rows and are skipped
+  used = jnp.sum(padded) // b
+  owner = jnp.searchsorted(start // b, jnp.arange(slabs), side="right") - 1
+  owner = jnp.clip(owner, 0, E - 1).astype(jnp.int32)
+
+  def one(j):
+    def run(_):
+      xb = jax.lax.dynamic_slice_in_dim(xp, j * b, b)
+      e = owner[j]
+      return _expert_mlp(xb, wg[e], wu[e], wd[e], act)
+
+    return jax.lax.cond(j < used, run, lambda _: jnp.zeros((b, D), jnp.float32), None)
+
+  yp = jax.lax.map(one, jnp.arange(slabs)).reshape(slabs * b, D)
+  return yp[row]
+
+
+def moe_mlp(x, p, cfg: ModelConfig, act):
+  """x [T, D] (normed) -> [T, D]: routed experts (weighted sum) plus the shared expert."""
+  T, D = x.shape
+  k = cfg.experts_per_token
+  with jax.named_scope("router"):
+    logits = linear(x, p["router"])
+    weights, experts = route(logits, cfg, p.get("router_bias"))
+  with jax.named_scope("experts"):
+    flat = experts.reshape(-1)  # [T k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    y = grouped_experts(x[token], flat[order], sizes, p["experts_gate"], p["experts_up"],
+                        p["experts_down"], act, ragged=jax.default_backend() != "cpu")
+    y = y * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((T, D), jnp.float32).at[token].add(y)
+  if cfg.shared_expert_size:
+    with jax.named_scope("shared_expert"):
+      h = act(linear(x, p["shared_gate"]).astype(jnp.float32)) * linear(
+          x, p["shared_up"]).astype(jnp.float32)
+      out = out + linear(h.astype(x.dtype), p["shared_down"]).astype(jnp.float32)
+  return out.astype(x.dtype)
