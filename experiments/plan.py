@@ -111,8 +111,16 @@ def cmd_capacity():
     if c.windowed_end_bytes:
       out[name].update(windowed_end_mib=c.windowed_end_bytes / MIB,
                        windowed_step_mib=c.windowed_step_bytes / MIB)
+    out[name]["kv_after_prefill_mib"] = c.kv_after_prefill_bytes / MIB
+  cfg = rm.costs.cfg
   out["weight_bytes"] = rm.costs.weight_bytes
   out["d_w"] = rm.costs.d_w
+  out["parameters"] = cfg.param_count()
+  out["weights_gib"] = {f: cfg.param_count() * WEIGHT_FORMATS[f][0] / WEIGHT_FORMATS[f][1]
+                        / 2**30 for f in WEIGHT_FORMATS}
+  if cfg.num_experts:  # the weights one decode step reads grow with its batch
+    out["active_parameters"] = cfg.active_param_count()
+    out["weights_read_batch1_bytes"] = rm.costs.weights_read(1)
   return out
 
 

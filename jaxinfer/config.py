@@ -66,6 +66,12 @@ class ModelConfig:
   expert_groups_kept: int = 1  # the best groups only (by the sum of each group's top 2)
   shared_expert_size: int = 0  # FFN width of an always-on shared expert MLP (0: none)
   first_dense_layers: int = 0  # the first layers keep the dense MLP (DeepSeek-V3: 3)
+  # --- multi-head latent attention (kv_lora_rank 0: standard attention) ---------------
+  # head_dim is then each query / key head's width (its no-RoPE part plus its RoPE part)
+  kv_lora_rank: int = 0  # r: the compressed latent each token stores per layer
+  qk_rope_head_dim: int = 0  # each head's decoupled RoPE dims (one RoPE key per token)
+  v_head_dim: int = 0  # each head's value width
+  q_lora_rank: int = 0  # queries through a low-rank latent of this width (0: direct)
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -110,12 +116,20 @@ class ModelConfig:
       if not 0 <= self.first_dense_layers <= self.num_layers:
         raise ValueError(f"first_dense_layers must be in [0, {self.num_layers}], got "
                          f"{self.first_dense_layers}")
+    if self.kv_lora_rank and not (0 < self.qk_rope_head_dim < self.head_dim
+                                  and self.v_head_dim > 0):
+      raise ValueError(f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs 0 < "
+                       f"qk_rope_head_dim < head_dim={self.head_dim} and v_head_dim > 0, got "
+                       f"{self.qk_rope_head_dim} and {self.v_head_dim}")
 
   def check_tp(self, tp: int) -> None:
     """Raise unless tensor parallelism over `tp` devices splits the query heads, the KV
     heads and the FFN width evenly (jaxinfer/sharding.py, costmodel's tp model)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
       raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+    if self.mla and tp > 1:
+      raise ValueError(f"tp={tp}: {self.name}'s latent attention stores one latent per token "
+                       "(no KV heads to split); run it with tp=1")
     sizes = (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
              ("intermediate_size", self.intermediate_size))
     for name, n in sizes:
@@ -132,8 +146,27 @@ class ModelConfig:
     return self.num_heads // self.num_kv_heads
 
   @property
+  def mla(self) -> bool:
+    """Multi-head latent attention (DeepSeek): the pool holds one latent per token."""
+    return self.kv_lora_rank > 0
+
+  @property
+  def cache_heads(self) -> int:
+    """KV heads the pool stores per token and layer: MLA's latent is one."""
+    return 1 if self.mla else self.num_kv_heads
+
+  @property
+  def cache_dim(self) -> int:
+    """Width of each stored head: MLA's latent plus its RoPE key (values are the latent's
+    first kv_lora_rank dims, not stored again); else head_dim."""
+    return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else self.head_dim
+
+  @property
   def rotary_dim(self) -> int:
-    """The dims of each head RoPE rotates (the first ones; the rest pass through)."""
+    """The dims of each head RoPE rotates (the first ones; the rest pass through; MLA:
+    its decoupled RoPE part)."""
+    if self.mla:
+      return self.qk_rope_head_dim
     return int(self.head_dim * self.partial_rotary)
 
   @property
@@ -153,8 +186,14 @@ class ModelConfig:
   def attention_param_count(self) -> int:
     """One layer's attention projections (with biases) and its norms."""
     d, n, k, h = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-    attn = d * n * h + 2 * d * k * h + n * h * d + ((n + 2 * k) * h if self.qkv_bias else 0)
     norms = (4 if self.sandwich_norms else 2) * d + (2 * h if self.qk_norm else 0)
+    if self.mla:  # q (direct or through its latent), the KV latent and RoPE key, the
+      # latent's up-projection to each head's no-RoPE key and value, the output
+      r, qr, dr, dv = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim, \
+          self.v_head_dim
+      q = d * qr + qr + qr * n * h if qr else d * n * h
+      return q + d * (r + dr) + r + r * n * (h - dr + dv) + n * dv * d + norms
+    attn = d * n * h + 2 * d * k * h + n * h * d + ((n + 2 * k) * h if self.qkv_bias else 0)
     return attn + norms
 
   def expert_param_count(self) -> int:
@@ -225,7 +264,11 @@ class ModelConfig:
                 + self.vocab_size * self.hidden_size)
 
   def attention_flops_per_pair(self) -> int:
-    """FLOPs per causal (query, key) pair summed over layers: QK^T and PV."""
+    """FLOPs per causal (query, key) pair summed over layers: QK^T and PV (MLA: with the
+    up-projections absorbed, both over the latent, as its decode runs)."""
+    if self.mla:
+      return 2 * self.num_layers * self.num_heads * (2 * self.kv_lora_rank
+                                                     + self.qk_rope_head_dim)
     return 4 * self.num_layers * self.num_heads * self.head_dim
 
 
@@ -263,8 +306,42 @@ GEMMA2_9B = ModelConfig(
     embed_scale=True, sandwich_norms=True, query_scale=256 ** -0.5, attn_softcap=50.0,
     final_softcap=30.0, layer_windows=tuple(4096 if i % 2 == 0 else 0 for i in range(42)))
 
+# Mixtures of experts and latent attention for the cost model and planner (shapes from the
+# published HF config.json files: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B,
+# mistralai/Mixtral-8x7B-v0.1, deepseek-ai/DeepSeek-V3; DeepSeek-V3's multi-token-prediction
+# layer is not counted).
+QWEN3_30B_A3B = ModelConfig(
+    name="qwen3-30b-a3b", family="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=False, max_position=40960,
+    qk_norm=True, bos_token_id=151643, eos_token_ids=(151645, 151643), num_experts=128,
+    experts_per_token=8, moe_intermediate_size=768, norm_topk_prob=True)
+
+QWEN3_235B_A22B = QWEN3_30B_A3B.replace(
+    name="qwen3-235b-a22b", hidden_size=4096, intermediate_size=12288, num_layers=94,
+    num_heads=64, moe_intermediate_size=1536)
+
+MIXTRAL_8X7B = ModelConfig(
+    name="mixtral-8x7b", family="mixtral", vocab_size=32000, hidden_size=4096,
+    intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+    rope_theta=1000000.0, rms_norm_eps=1e-5, tie_embeddings=False, max_position=32768,
+    bos_token_id=1, eos_token_ids=(2,), num_experts=8, experts_per_token=2,
+    moe_intermediate_size=14336)
+
+DEEPSEEK_V3 = ModelConfig(
+    name="deepseek-v3", family="deepseek_v3", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192,
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_embeddings=False, max_position=163840,
+    bos_token_id=0, eos_token_ids=(1,), num_experts=256, experts_per_token=8,
+    moe_intermediate_size=2048, router="sigmoid", routed_scaling=2.5, expert_groups=8,
+    expert_groups_kept=4, shared_expert_size=2048, first_dense_layers=3, kv_lora_rank=512,
+    qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536,
+    rope_scaling=("yarn", 40.0, 4096.0, 32.0, 1.0, 1.0, True),
+    query_scale=192 ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2)  # YaRN's mscale, squared
+
 MODEL_CONFIGS = {c.name: c for c in (SMOLLM2_135M, QWEN3_0_6B, QWEN3_8B, MISTRAL_7B,
-                                     GEMMA2_9B)}
+                                     GEMMA2_9B, QWEN3_30B_A3B, QWEN3_235B_A22B,
+                                     MIXTRAL_8X7B, DEEPSEEK_V3)}
 
 
 def get_model_config(name: str) -> ModelConfig:

@@ -45,7 +45,7 @@ TP = "tp"
 # logical axis (model.params.WeightSpec.axes) -> mesh axis; None: replicated
 RULES = (("q_heads", TP), ("kv_heads", TP), ("mlp", TP), ("vocab", TP),
          ("embed", None), ("layers", None), ("head_dim", None), ("experts", None),
-         ("expert_scores", None))
+         ("expert_scores", None), ("kv_lora", None), ("q_lora", None))
 
 
 @dataclasses.dataclass(frozen=True)

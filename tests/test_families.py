@@ -47,14 +47,26 @@ def _families():
           norm_topk_prob=False)),
       "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(
           num_local_experts=4, num_experts_per_tok=2)),
+      "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM, _DEEPSEEK),
+      "deepseek_v3_direct_q": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM, dict(
+          _DEEPSEEK, q_lora_rank=None)),
   }
+
+
+# latent attention (a latent of 48 plus a RoPE key of 16 per token) over a sigmoid,
+# group-limited MoE with a shared expert (first_k_dense_replace=0: every layer MoE)
+_DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0,
+                 routed_scaling_factor=2.5, kv_lora_rank=48, q_lora_rank=32,
+                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
 
 
 # By default the families whose math differs most (biases; sliding windows; soft caps,
 # sandwich norms, offset norms, scaled embeddings, per-layer RoPE bases); the rest run in
 # the slow suite, and their one difference from Llama (RoPE scalings, YaRN's included) is
 # checked below without a compile.
-FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3",
+            pytest.param("deepseek_v3_direct_q", marks=pytest.mark.slow),
             pytest.param("llama3", marks=pytest.mark.slow),
             pytest.param("llama_linear", marks=pytest.mark.slow),
             pytest.param("phi3", marks=pytest.mark.slow),
@@ -77,6 +89,9 @@ def _hf_dir(name, tmp_path_factory):
     for n, p in model.named_parameters():
       if "norm" in n or n.endswith("bias"):
         p.add_(0.2 * torch.randn_like(p))
+    for n, b in model.named_buffers():  # DeepSeek's expert-selection bias
+      if n.endswith("e_score_correction_bias"):
+        b.add_(0.5 * torch.randn_like(b))
   d = str(tmp_path_factory.mktemp(name))
   model.save_pretrained(d, safe_serialization=True)
   _BUILT[name] = (d, model)
@@ -164,7 +179,7 @@ def test_phi3_fused_projections_are_split_as_hf_holds_them(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "llama3", "llama_linear", "mistral", "phi3",
-                                  "gemma2", "gemma3"])
+                                  "gemma2", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3"])
 def test_family_prefix_hit_preempted_and_speculative_greedy_match_hf(name, tmp_path_factory):
   """The engine's other paths on every family: requests sharing a 24-token prefix (cache
   hits), a pool too small for all of them without reservation (preemption), and n-gram
@@ -348,6 +363,9 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
     for n, p in hf.named_parameters():
       if "norm" in n or n.endswith("bias"):
         p.add_(0.2 * torch.randn_like(p))
+    for n, b in model.named_buffers():  # DeepSeek's expert-selection bias
+      if n.endswith("e_score_correction_bias"):
+        b.add_(0.5 * torch.randn_like(b))
   arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "gemma2": gguf.MODEL_ARCH.GEMMA2}[name]
   L = COMMON["num_hidden_layers"]
   path = str(tmp_path / f"{name}.gguf")

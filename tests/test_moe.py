@@ -28,22 +28,29 @@ def _per_token(x, experts, wg, wu, wd):
 
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("rows,skew", [(1, "even"), (7, "even"), (40, "even"),
-                                       (40, "one"), (200, "skewed"), (3, "last")])
+                                       (40, "one"), (200, "skewed"), (3, "last"),
+                                       (24, "padded")])
 def test_grouped_experts_equal_per_token_reference(ragged, rows, skew):
   """Each sorted row through its own expert's gated MLP: the ragged product and the CPU
   slab loop equal a per-row loop, however the rows fall on the experts (one expert
-  taking them all, a few experts, empty experts in between, only the last one)."""
+  taking them all, a few experts, empty experts in between, only the last one), and
+  rows of no expert (a bucket's padding, expert E) come out zero."""
   r = np.random.default_rng(rows)
   experts = {"even": r.integers(0, E, rows), "one": np.full(rows, 3),
              "skewed": np.minimum(r.geometric(0.5, rows) - 1, E - 1),
-             "last": np.full(rows, E - 1)}[skew]
+             "last": np.full(rows, E - 1),
+             "padded": np.minimum(r.integers(0, E + 4, rows), E)}[skew]
   experts = np.sort(experts).astype(np.int32)
   x = jnp.asarray(r.standard_normal((rows, D)), jnp.float32)
-  sizes = jnp.asarray(np.bincount(experts, minlength=E), jnp.int32)
+  sizes = jnp.asarray(np.bincount(experts, minlength=E + 1)[:E], jnp.int32)
   wg, wu, wd = _weights()
   got = jax.jit(lambda x, e, s: moe.grouped_experts(x, e, s, wg, wu, wd, jax.nn.silu,
                                                      ragged=ragged))(x, experts, sizes)
-  want = _per_token(x, experts, wg, wu, wd)
+  real = experts < E
+  want = np.zeros((rows, D), np.float32)
+  want[real] = _per_token(x[real], experts[real], wg, wu, wd)
+  if skew == "padded":
+    assert 0 < real.sum() < rows
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
@@ -108,3 +115,39 @@ def test_expected_experts_touched_matches_sampling():
     assert abs(np.mean(counts) - cfg.expected_experts_touched(batch)) < 0.5, batch
   assert cfg.expected_experts_touched(1) == 8
   assert cfg.expected_experts_touched(10_000) == pytest.approx(128)
+
+
+def test_moe_decode_rounds_grow_with_the_batch_where_its_dense_twin_stays_flat():
+  """The simulated batching curve of Qwen3-30B-A3B on RTX PRO 6000: at batch 1 its round
+  reads what its dense twin (equal active parameters) reads; the MoE's weight bytes then
+  grow with the batch up to all of its weights, so its round time outgrows the twin's."""
+  from experiments.moe_batching import dense_twin, sim_curve
+  from jaxinfer.config import QWEN3_30B_A3B
+  from jaxinfer.costmodel import ModelCosts
+  twin = dense_twin(QWEN3_30B_A3B)
+  assert twin.param_count() == pytest.approx(QWEN3_30B_A3B.active_param_count(), rel=1e-3)
+  moe_rows = sim_curve(QWEN3_30B_A3B, "rtx-pro-6000", 2048, [1, 8, 64, 512])
+  dense_rows = sim_curve(twin, "rtx-pro-6000", 2048, [1, 8, 64, 512])
+  ratios = [m["round_ms"] / d["round_ms"] for m, d in zip(moe_rows, dense_rows)]
+  assert ratios[0] == pytest.approx(1.0, abs=0.02)
+  assert ratios[1] > 1.5 and ratios[2] > ratios[1] * 0.9
+  reads = [r["weights_read_gb"] for r in moe_rows]
+  assert reads == sorted(reads)
+  assert reads[-1] * 1e9 == pytest.approx(ModelCosts(QWEN3_30B_A3B).d_w, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_moe_batching_small_binary(tmp_path):
+  """The study's command on its CI size: strict JSON, the figure, one measured round per
+  batch for the real MoE and its twin."""
+  import json
+  import subprocess
+  import sys
+  from experiments.common import ROOT, config_path
+  subprocess.run([sys.executable, "-m", "experiments.moe_batching",
+                  f"--config={config_path('moe_batching')}:small", f"--output_dir={tmp_path}"],
+                 check=True, cwd=ROOT, capture_output=True, timeout=900)
+  d = json.loads((tmp_path / "moe_batching.json").read_text())
+  assert [r["batch"] for r in d["real"]["moe_rows"]] == [1, 8]
+  assert all(r["round_ms"] > 0 for r in d["real"]["moe_rows"] + d["real"]["dense_rows"])
+  assert (tmp_path / "moe_batching.png").stat().st_size > 10_000

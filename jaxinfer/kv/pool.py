@@ -1,7 +1,9 @@
 """The paged KV pool as a pytree of device arrays, in any KV format (8.3.1, 8.4.2).
 
 Layout, one array per component, layer-major so a step writes every layer once:
-  k, v         [L, K, P, page_size, Hc]   codes (see pallas_kernels.kv_codec)
+  k, v         [L, K, P, page_size, Hc]   codes (see pallas_kernels.kv_codec); multi-head
+                                          latent attention: k only, K = 1, H = its latent
+                                          plus RoPE key (the values are the latent)
   k_gs, v_gs   [L, K, P, page_size, H/32] uint16 fp16 group scales (q8_0, q4_0)
   k_ps, v_ps   [L, K, P] float32          page scales (fp8)
 KV-head-major, so a request's gathered pages feed a dot batched over (head, request)
@@ -24,16 +26,19 @@ KVPool = Dict[str, jax.Array]
 
 
 def bytes_per_token(cfg: ModelConfig, kv_format: str = "bf16", page_size: int = 16) -> float:
-  """k of 8.1: 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
+  """k of 8.1: 2 (K and V) x layers x kv_heads x head_dim x bytes per value; multi-head
+  latent attention stores one latent of kv_lora_rank + qk_rope_head_dim values instead
+  (8.4.2: DeepSeek-V3 bf16, 61 x 576 x 2 = 70,272 B).
 
-  fp8's per-page-per-head f32 scale adds 2 x L x K x 4 / page_size bytes per token.
-  Qwen3-8B bf16: 147,456 B; q8_0 and q4_0 are 34/64 and 18/64 of that.
+  fp8's per-page-per-head f32 scale adds (components) x L x heads x 4 / page_size bytes per
+  token. Qwen3-8B bf16: 147,456 B; q8_0 and q4_0 are 34/64 and 18/64 of that.
   """
   fmt = get_format(kv_format)
-  kv_codec.check_head_dim(fmt, cfg.head_dim)
-  per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * fmt.bytes_per_value()
+  kv_codec.check_head_dim(fmt, cfg.cache_dim)
+  parts = 1 if cfg.mla else 2  # MLA: the latent serves as both key and value
+  per_token = parts * cfg.num_layers * cfg.cache_heads * cfg.cache_dim * fmt.bytes_per_value()
   if fmt.page_scales:
-    per_token += 2 * cfg.num_layers * cfg.num_kv_heads * 4 / page_size
+    per_token += parts * cfg.num_layers * cfg.cache_heads * 4 / page_size
   return per_token
 
 
@@ -44,17 +49,17 @@ def pool_bytes(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int)
 def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int,
                   device=None) -> KVPool:
   fmt = get_format(kv_format)
-  kv_codec.check_head_dim(fmt, cfg.head_dim)
-  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  kv_codec.check_head_dim(fmt, cfg.cache_dim)
+  L, K, H = cfg.num_layers, cfg.cache_heads, cfg.cache_dim
   shape = (L, K, num_pages, page_size, fmt.code_dim(H))
-  pool = {"k": jnp.zeros(shape, fmt.code_dtype), "v": jnp.zeros(shape, fmt.code_dtype)}
-  if fmt.group_scales:
-    gs = (L, K, num_pages, page_size, fmt.scale_dim(H))
-    pool["k_gs"] = jnp.zeros(gs, jnp.uint16)
-    pool["v_gs"] = jnp.zeros(gs, jnp.uint16)
-  if fmt.page_scales:
-    pool["k_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
-    pool["v_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
+  parts = ("k",) if cfg.mla else ("k", "v")  # MLA: the latent is key and value
+  pool = {}
+  for n in parts:
+    pool[n] = jnp.zeros(shape, fmt.code_dtype)
+    if fmt.group_scales:
+      pool[n + "_gs"] = jnp.zeros((L, K, num_pages, page_size, fmt.scale_dim(H)), jnp.uint16)
+    if fmt.page_scales:
+      pool[n + "_ps"] = jnp.zeros((L, K, num_pages), jnp.float32)
   # Commit to the device like the step's outputs, so the first step and later ones hit
   # the same compiled executable (jit keys on committed-ness).
   return jax.device_put(pool, jax.devices()[0] if device is None else device)
@@ -110,7 +115,8 @@ def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
   fmt = get_format(pool_format(pool))
   pool = dict(pool)
   _write_one(pool, "k", fmt, k, page_ids, offsets)
-  _write_one(pool, "v", fmt, v, page_ids, offsets)
+  if "v" in pool:  # an MLA pool holds its latent under "k" only
+    _write_one(pool, "v", fmt, v, page_ids, offsets)
   return pool
 
 

@@ -16,7 +16,7 @@ _ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
           "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
           "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
           "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
-          "MixtralForCausalLM": "mixtral"}
+          "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
     "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
@@ -29,6 +29,14 @@ _LAYER_NAMES = {
     "self_attn.qkv_proj.weight": "wq+wk+wv", "mlp.gate_up_proj.weight": "w_gate+w_up",
     # mixtures of experts: the router (each expert's matrices: _EXPERT_NAMES)
     "mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router",
+    "mlp.gate.e_score_correction_bias": "router_bias",
+    "mlp.shared_experts.gate_proj.weight": "shared_gate",
+    "mlp.shared_experts.up_proj.weight": "shared_up",
+    "mlp.shared_experts.down_proj.weight": "shared_down",
+    # multi-head latent attention (DeepSeek)
+    "self_attn.q_a_proj.weight": "wq_a", "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "wq_b", "self_attn.kv_a_proj_with_mqa.weight": "wkv_a",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "wkv_b",
 }
 # "<layer>.<mlp>.experts.<j>.<name>" -> the stacked [E, ...] weight it is row j of
 _EXPERT_NAMES = {"gate_proj.weight": "experts_gate", "up_proj.weight": "experts_up",
@@ -119,23 +127,39 @@ def config_from_hf(path: str, name: str | None = None) -> ModelConfig:
                          f"{sorted(acts)}")
   qpas = c.get("query_pre_attn_scalar")
   moe = _moe_fields(c, family, L, f)
+  mla = _mla_fields(c, rope) if family == "deepseek_v3" else {}
   return ModelConfig(
       name=name or os.path.basename(os.path.normpath(path)), family=family,
       vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
       intermediate_size=c["intermediate_size"], num_layers=L,
-      num_heads=N, num_kv_heads=c.get("num_key_value_heads", N),
-      head_dim=c.get("head_dim") or c["hidden_size"] // N, rope_theta=float(theta),
+      num_heads=N, num_kv_heads=N if mla else c.get("num_key_value_heads", N),
+      head_dim=mla.pop("head_dim", None) or c.get("head_dim") or c["hidden_size"] // N,
+      rope_theta=float(theta),
       rms_norm_eps=c.get("rms_norm_eps", 1e-6),
       tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
       max_position=c.get("max_position_embeddings", 4096),
       qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), bos_token_id=c.get("bos_token_id"),
       eos_token_ids=eos, qkv_bias=family == "qwen2", hidden_act=acts[act],
       norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
-      query_scale=float(qpas) ** -0.5 if gemma and qpas else None,
+      query_scale=float(qpas) ** -0.5 if gemma and qpas else mla.pop("query_scale", None),
       attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
       final_softcap=c.get("final_logit_softcapping") if gemma else None,
       layer_windows=windows, rope_local_theta=local_theta, rope_scaling=scaling,
-      partial_rotary=partial, **moe)
+      partial_rotary=partial, **moe, **mla)
+
+
+def _mla_fields(c: dict, rope: dict) -> dict:
+  """DeepSeek's latent attention: ranks and head widths; the scores' scale (YaRN's
+  mscale_all_dim scales it by the squared temperature, as DeepSeek does)."""
+  dn, dr = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
+  scale = (dn + dr) ** -0.5
+  m_all = rope.get("mscale_all_dim") if rope.get("rope_type", rope.get("type")) == "yarn" \
+      else None
+  if m_all and rope.get("factor", 1) > 1:
+    scale *= (0.1 * m_all * math.log(rope["factor"]) + 1.0) ** 2
+  return dict(head_dim=dn + dr, kv_lora_rank=c["kv_lora_rank"], qk_rope_head_dim=dr,
+              v_head_dim=c["v_head_dim"], q_lora_rank=c.get("q_lora_rank") or 0,
+              query_scale=scale)
 
 
 def _moe_fields(c: dict, family: str, L: int, where: str) -> dict:
@@ -174,6 +198,25 @@ def _split_fused(layer: dict, cfg: ModelConfig) -> None:
       w = layer.pop(key)
       parts = np.split(w, np.cumsum(sizes)[:-1], axis=-1)
       layer.update(zip(key.split("+"), parts))
+
+
+def _hf_config(path: str) -> dict:
+  with open(os.path.join(path, "config.json")) as fh:
+    return json.load(fh)
+
+
+def _deinterleave_rope(layer: dict, cfg: ModelConfig) -> None:
+  """DeepSeek rotates its RoPE dims in adjacent pairs (x0, x1), (x2, x3), ...: the
+  producing columns reordered evens first, odds after, so the model's rotate-half RoPE
+  computes the same scores (a permutation of both q's and k's RoPE dims)."""
+  dr, H, N = cfg.qk_rope_head_dim, cfg.head_dim, cfg.num_heads
+  perm = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)])
+  q = "wq_b" if "wq_b" in layer else "wq"
+  w = layer[q].reshape(-1, N, H)
+  w[..., H - dr:] = w[..., H - dr:][..., perm]
+  layer[q] = w.reshape(-1, N * H)
+  r = cfg.kv_lora_rank
+  layer["wkv_a"][:, r:] = layer["wkv_a"][:, r:][:, perm]
 
 
 def _expert_key(sub: str):
@@ -231,9 +274,12 @@ def load_safetensors_dir(path: str, name: str | None = None):
         params["final_norm"] = w
       elif key == "lm_head.weight" and not cfg.tie_embeddings:
         params["lm_head"] = w.T
+  interleaved = cfg.mla and _hf_config(path).get("rope_interleave", True)
   for layer in layers:
     _split_fused(layer, cfg)
     _stack_experts(layer, cfg, path)
+    if interleaved:
+      _deinterleave_rope(layer, cfg)
   if "embed" not in params or "final_norm" not in params:
     raise ModelLoadError(f"{path!r} lacks model.embed_tokens.weight or model.norm.weight")
   return params, cfg

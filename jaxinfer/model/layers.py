@@ -85,11 +85,12 @@ def activation(x, name: str):
   return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
 
 
-def mlp(x, p, cfg: ModelConfig):
-  """The layer's MLP: SwiGLU / GeGLU, or a mixture of experts of them (moe.py)."""
+def mlp(x, p, cfg: ModelConfig, real=None):
+  """The layer's MLP: SwiGLU / GeGLU, or a mixture of experts of them (moe.py; real [T]:
+  the rows that are tokens, None: all)."""
   if cfg.num_experts:
     with jax.named_scope("moe"):
-      return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act))
+      return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act), real)
   with jax.named_scope("mlp"):
     g, u = linear_group(x, p, ("w_gate", "w_up"))  # [T, F] each
     h = (activation(g, cfg.hidden_act) * u).astype(x.dtype)
@@ -100,6 +101,9 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_sh
                     backend, window=None):
   """x [T, D] (normed) -> (out [T, D], k [T, K, H], v [T, K, H]) for this step's tokens.
   window: this layer's sliding window (None: full attention)."""
+  if cfg.mla:
+    return latent_attention_block(x, p, cfg, rope, pool, layer, batch,
+                                  attn_shape=attn_shape, backend=backend, window=window)
   T = x.shape[0]
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   with jax.named_scope("qkv"):
@@ -119,3 +123,56 @@ def attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_sh
                                   softcap=cfg.attn_softcap)  # [T, N, H] f32
   out = linear(o.astype(x.dtype).reshape(T, N * H), p["wo"]).astype(x.dtype)
   return out, k, v
+
+
+def latent_view(pool):
+  """An MLA pool (keys only) seen as a K/V pool whose values are its keys: the same
+  arrays under both names, so every backend and KV format reads the latent as both."""
+  view = dict(pool)
+  for name, a in pool.items():
+    if name.startswith("k"):
+      view["v" + name[1:]] = a
+  return view
+
+
+def latent_attention_block(x, p, cfg: ModelConfig, rope, pool, layer, batch, *, attn_shape,
+                           backend, window=None):
+  """Multi-head latent attention (DeepSeek-V2/V3) with the up-projections absorbed: each
+  token stores one latent c (kv_lora_rank, normed) and one RoPE key (qk_rope_head_dim);
+  a head's query is carried into the latent space (q_nope W_UK) beside its RoPE part, so
+  scores are q_lat . c + q_rope . k_rope over the stored entry, attention is multi-query
+  with one KV head whose values are the entry's first kv_lora_rank dims, and each head's
+  output is read back out of the latent (o_lat W_UV) before wo.
+
+  Returns (out [T, D], entry [T, 1, r + dr], an empty [T, 1, 0] value)."""
+  T = x.shape[0]
+  N, H = cfg.num_heads, cfg.head_dim
+  r, dr, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+  dn = H - dr
+  with jax.named_scope("mla_qkv"):
+    if cfg.q_lora_rank:
+      qa = rms_norm(linear(x, p["wq_a"]).astype(x.dtype), p["q_a_norm"], cfg.rms_norm_eps)
+      q = linear(qa, p["wq_b"])
+    else:
+      q = linear(x, p["wq"])
+    q = q.astype(x.dtype).reshape(T, N, H)
+    kv = linear(x, p["wkv_a"]).astype(x.dtype)  # [T, r + dr]
+    c = rms_norm(kv[:, :r], p["kv_a_norm"], cfg.rms_norm_eps)
+    cos, sin = rope
+    q_rope = apply_rope(q[..., dn:], cos, sin)
+    k_rope = apply_rope(kv[:, None, r:], cos, sin)  # [T, 1, dr]: one per token
+    wkv_b = p["wkv_b"].reshape(r, N, dn + dv)
+    w_uk, w_uv = wkv_b[..., :dn], wkv_b[..., dn:]
+    q_lat = jnp.einsum("tnd,rnd->tnr", q[..., :dn], w_uk.astype(x.dtype),
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+    q_full = jnp.concatenate([q_lat, q_rope], axis=-1)  # [T, N, r + dr]
+    entry = jnp.concatenate([c[:, None, :], k_rope], axis=-1)  # [T, 1, r + dr]
+  with jax.named_scope("attention"):
+    o = attention.paged_attention(q_full, entry, entry, latent_view(pool), layer, batch,
+                                  attn_shape=attn_shape, backend=backend,
+                                  scale=cfg.query_scale if cfg.query_scale else H ** -0.5,
+                                  window=window, softcap=cfg.attn_softcap)  # [T, N, r+dr]
+  o = jnp.einsum("tnr,rnd->tnd", o[..., :r].astype(x.dtype), w_uv.astype(x.dtype),
+                 preferred_element_type=jnp.float32)
+  out = linear(o.astype(x.dtype).reshape(T, N * dv), p["wo"]).astype(x.dtype)
+  return out, entry, entry[..., :0]

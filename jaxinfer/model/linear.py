@@ -53,6 +53,29 @@ class Dense:
     return y.astype(x.dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["w", "layer"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """A mixture of experts' stacked matrices [(L,) E, in, out], read in place: under the
+  layer scan by layer index (a scanned slice of every expert would copy them all each
+  layer), and by expert by the grouped product (which reads only the experts routed to)."""
+  w: Any
+  layer: Any = None
+  in_place = True
+
+  def at(self, i):
+    return Experts(self.w, i)
+
+  def expert(self, e):
+    """Expert e's matrix [in, out] (of this layer)."""
+    return self.w[e] if self.layer is None else self.w[self.layer, e]
+
+  def stacked(self):
+    """Every expert's matrix [E, in, out] (of this layer)."""
+    return self.w if self.layer is None else self.w[self.layer]
+
+
 def as_weight(w):
   """A typed weight (bare arrays are `Dense`)."""
   return w if _is_weight(w) else Dense(w)

@@ -17,7 +17,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.linear import linear
+from jaxinfer.model.linear import Experts, linear
+
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def in_place(layer: dict) -> dict:
+  """A stacked layer dict with its expert matrices wrapped in `Experts` (read in place)."""
+  return {k: Experts(w) if k in EXPERT_WEIGHTS and not isinstance(w, Experts) else w
+          for k, w in layer.items()}
+
+
+def _expert(w, e):
+  return w.expert(e) if isinstance(w, Experts) else w[e]
+
+
+def _stacked(w):
+  return w.stacked() if isinstance(w, Experts) else w
 
 
 def route(logits, cfg: ModelConfig, bias=None):
@@ -72,23 +88,27 @@ def _expert_mlp(x, wg, wu, wd, act):
 
 def grouped_experts(x_sorted, expert_sorted, sizes, wg, wu, wd, act, *, ragged: bool):
   """The gated MLP of each sorted row's expert: x_sorted [A, D] (rows sorted by expert),
-  expert_sorted [A], sizes [E] rows per expert; wg, wu [E, D, F], wd [E, F, D].
-  Returns [A, D] float32."""
+  expert_sorted [A], sizes [E] rows per expert; wg, wu [E, D, F], wd [E, F, D] (arrays, or
+  `Experts` read in place). Rows past
+  sum(sizes) (expert E: no expert) come out zero. Returns [A, D] float32."""
   if ragged:
     dt = x_sorted.dtype
-    rd = lambda a, w: jax.lax.ragged_dot(a, w.astype(dt), sizes,  # noqa: E731
+    rd = lambda a, w: jax.lax.ragged_dot(a, _stacked(w).astype(dt), sizes,  # noqa: E731
                                          preferred_element_type=jnp.float32)
     h = (act(rd(x_sorted, wg)) * rd(x_sorted, wu)).astype(dt)
     return rd(h, wd)
   A, D = x_sorted.shape
-  E = wg.shape[0]
+  E = sizes.shape[0]
   b = slab_rows(A, E)
   slabs = (A + min(E, A) * (b - 1)) // b  # bound: each touched expert pads < one slab
   padded = -(-sizes // b) * b  # [E] each expert's rows rounded up to whole slabs
   start = jnp.cumsum(padded) - padded  # first padded row of each expert
   first = jnp.cumsum(sizes) - sizes  # first sorted row of each expert
-  row = start[expert_sorted] + jnp.arange(A) - first[expert_sorted]  # padded row of each
-  xp = jnp.zeros((slabs * b, D), x_sorted.dtype).at[row].set(x_sorted)
+  # rows of no expert (index E) land past the slabs: dropped, and read back as zeros
+  start_x = jnp.append(start, slabs * b)
+  first_x = jnp.append(first, 0)
+  row = start_x[expert_sorted] + jnp.arange(A) - first_x[expert_sorted]  # padded row
+  xp = jnp.zeros((slabs * b, D), x_sorted.dtype).at[row].set(x_sorted, mode="drop")
   # the expert of each slab: the last expert starting at or before it; slabs past the
   # last used one stay zero rows and are skipped
   used = jnp.sum(padded) // b
@@ -99,22 +119,26 @@ def grouped_experts(x_sorted, expert_sorted, sizes, wg, wu, wd, act, *, ragged: 
     def run(_):
       xb = jax.lax.dynamic_slice_in_dim(xp, j * b, b)
       e = owner[j]
-      return _expert_mlp(xb, wg[e], wu[e], wd[e], act)
+      return _expert_mlp(xb, _expert(wg, e), _expert(wu, e), _expert(wd, e), act)
 
     return jax.lax.cond(j < used, run, lambda _: jnp.zeros((b, D), jnp.float32), None)
 
   yp = jax.lax.map(one, jnp.arange(slabs)).reshape(slabs * b, D)
-  return yp[row]
+  return yp.at[row].get(mode="fill", fill_value=0)
 
 
-def moe_mlp(x, p, cfg: ModelConfig, act):
-  """x [T, D] (normed) -> [T, D]: routed experts (weighted sum) plus the shared expert."""
+def moe_mlp(x, p, cfg: ModelConfig, act, real=None):
+  """x [T, D] (normed) -> [T, D]: routed experts (weighted sum) plus the shared expert.
+  real [T] bool: the rows that are tokens (a bucket's padding rows reach no expert, so a
+  padded step reads no more experts than its tokens need); None: every row."""
   T, D = x.shape
   k = cfg.experts_per_token
   with jax.named_scope("router"):
     logits = linear(x, p["router"])
     weights, experts = route(logits, cfg, p.get("router_bias"))
   with jax.named_scope("experts"):
+    if real is not None:  # padding rows: expert E, sorted last, in no group
+      experts = jnp.where(real[:, None], experts, cfg.num_experts)
     flat = experts.reshape(-1)  # [T k]
     order = jnp.argsort(flat, stable=True)
     token = order // k

@@ -27,12 +27,14 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
                    cfg.intermediate_size)
   specs = {
       "attn_norm": WeightSpec((D,), ("embed",), "ones"),
+      "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
+  }
+  specs.update(mla_specs(cfg) if cfg.mla else {
       "wq": WeightSpec((D, N * H), ("embed", "q_heads")),
       "wk": WeightSpec((D, K * H), ("embed", "kv_heads")),
       "wv": WeightSpec((D, K * H), ("embed", "kv_heads")),
       "wo": WeightSpec((N * H, D), ("q_heads", "embed")),
-      "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
-  }
+  })
   specs.update(moe_specs(cfg) if cfg.num_experts else {
       "w_gate": WeightSpec((D, F), ("embed", "mlp")),
       "w_up": WeightSpec((D, F), ("embed", "mlp")),
@@ -48,6 +50,25 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
   if cfg.qk_norm:
     specs["q_norm"] = WeightSpec((H,), ("head_dim",), "ones")
     specs["k_norm"] = WeightSpec((H,), ("head_dim",), "ones")
+  return specs
+
+
+def mla_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+  """Multi-head latent attention: queries directly or through their own latent (wq_a, its
+  norm, wq_b); the KV latent and the shared RoPE key (wkv_a), the latent's norm, its
+  up-projection to each head's no-RoPE key and value (wkv_b), the output (wo)."""
+  D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+  r, dr, dv, qr = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+  specs = {"wkv_a": WeightSpec((D, r + dr), ("embed", "kv_lora")),
+           "kv_a_norm": WeightSpec((r,), ("kv_lora",), "ones"),
+           "wkv_b": WeightSpec((r, N * (H - dr + dv)), ("kv_lora", "q_heads")),
+           "wo": WeightSpec((N * dv, D), ("q_heads", "embed"))}
+  if qr:
+    specs.update(wq_a=WeightSpec((D, qr), ("embed", "q_lora")),
+                 q_a_norm=WeightSpec((qr,), ("q_lora",), "ones"),
+                 wq_b=WeightSpec((qr, N * H), ("q_lora", "q_heads")))
+  else:
+    specs["wq"] = WeightSpec((D, N * H), ("embed", "q_heads"))
   return specs
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
-from jaxinfer.model import layers, linear
+from jaxinfer.model import layers, linear, moe
 
 
 def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None):
@@ -23,7 +23,9 @@ def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None)
   if cfg.sandwich_norms:  # Gemma 2/3: the attention and MLP outputs are normed too
     h = norm(h, "post_attn_norm")
   x = x + h
-  h = layers.mlp(norm(x, "mlp_norm"), p, cfg)
+  # a mixture of experts routes only the step's real tokens (padding rows reach no expert)
+  real = jnp.arange(x.shape[0]) < jnp.sum(batch["query_len"]) if cfg.num_experts else None
+  h = layers.mlp(norm(x, "mlp_norm"), p, cfg, real)
   if cfg.sandwich_norms:
     h = norm(h, "post_mlp_norm")
   return x + h, k, v
@@ -94,8 +96,8 @@ def hidden_states(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   # forms it does not use are then no scanned input
   lp = linear.for_rows(params["layers"], x.shape[0])
   if isinstance(lp, dict):  # stacked: layers under lax.scan; weights read in place by
-    # layer index stay out of the scanned inputs (never sliced)
-    scanned, in_place = linear.split_in_place(lp)
+    # layer index (experts among them) stay out of the scanned inputs (never sliced)
+    scanned, in_place = linear.split_in_place(moe.in_place(lp))
     if L == cfg.num_layers:
 
       def body(x, xs):
