@@ -144,7 +144,7 @@ def param_shardings(cfg: ModelConfig, tp: TensorParallel, params):
   from jaxinfer.model.params import WeightSpec, layer_specs, weight_specs
   specs = weight_specs(cfg)
   if isinstance(params["layers"], (list, tuple)):  # unrolled: per-layer dicts
-    specs = dict(specs, layers=[layer_specs(cfg)] * len(params["layers"]))
+    specs = dict(specs, layers=[layer_specs(cfg, i) for i in range(len(params["layers"]))])
   axes = jax.tree_util.tree_map(lambda s: P(*s.axes), specs,
                                 is_leaf=lambda x: isinstance(x, WeightSpec))
   return nn.logical_to_mesh_sharding(axes, tp.mesh, tp.rules())

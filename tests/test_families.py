@@ -49,14 +49,16 @@ def _families():
           num_local_experts=4, num_experts_per_tok=2)),
       "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM, _DEEPSEEK),
       "deepseek_v3_direct_q": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM, dict(
-          _DEEPSEEK, q_lora_rank=None)),
+          _DEEPSEEK, q_lora_rank=None, first_k_dense_replace=0)),
   }
 
 
 # latent attention (a latent of 48 plus a RoPE key of 16 per token) over a sigmoid,
-# group-limited MoE with a shared expert (first_k_dense_replace=0: every layer MoE)
-_DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0,
+# group-limited MoE with a shared expert, after one dense MLP layer (the direct-q variant:
+# every layer MoE, so they stack for the layer scan)
+_DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, n_group=4, topk_group=2, n_shared_experts=1,
+                 first_k_dense_replace=1,
                  routed_scaling_factor=2.5, kv_lora_rank=48, q_lora_rank=32,
                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
 

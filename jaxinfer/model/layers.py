@@ -88,7 +88,7 @@ def activation(x, name: str):
 def mlp(x, p, cfg: ModelConfig, real=None):
   """The layer's MLP: SwiGLU / GeGLU, or a mixture of experts of them (moe.py; real [T]:
   the rows that are tokens, None: all)."""
-  if cfg.num_experts:
+  if "router" in p:  # this layer's MLP is a mixture of experts
     with jax.named_scope("moe"):
       return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act), real)
   with jax.named_scope("mlp"):

@@ -22,9 +22,20 @@ class WeightSpec:
   init: str = "normal"  # "normal" | "ones" | "zeros"
 
 
-def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
+def uniform_layers(cfg: ModelConfig) -> bool:
+  """Every layer holds the same weights (so they stack for the layer scan); a model with
+  dense MLP layers before its MoE layers keeps a list of per-layer dicts."""
+  return not (cfg.first_dense_layers and cfg.moe_layers)
+
+
+def layer_specs(cfg: ModelConfig, i: int | None = None) -> Dict[str, WeightSpec]:
+  """Layer i's weights (i None: every layer's, when they are uniform)."""
+  if i is None and not uniform_layers(cfg):
+    raise ValueError(f"{cfg.name}'s layers differ (dense MLP in the first "
+                     f"{cfg.first_dense_layers}): ask for one layer's specs")
   D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.intermediate_size)
+  moe = cfg.num_experts and (i is None or i >= cfg.first_dense_layers)
   specs = {
       "attn_norm": WeightSpec((D,), ("embed",), "ones"),
       "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
@@ -35,7 +46,7 @@ def layer_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
       "wv": WeightSpec((D, K * H), ("embed", "kv_heads")),
       "wo": WeightSpec((N * H, D), ("q_heads", "embed")),
   })
-  specs.update(moe_specs(cfg) if cfg.num_experts else {
+  specs.update(moe_specs(cfg) if moe else {
       "w_gate": WeightSpec((D, F), ("embed", "mlp")),
       "w_up": WeightSpec((D, F), ("embed", "mlp")),
       "w_down": WeightSpec((F, D), ("mlp", "embed")),
@@ -76,11 +87,6 @@ def moe_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
   """A mixture-of-experts MLP: the router [D, E], the experts stacked [E, ...] (their
   own logical axis, for expert parallelism), a sigmoid router's selection bias and the
   shared expert where the family has them."""
-  if cfg.first_dense_layers and cfg.moe_layers:
-    raise NotImplementedError(
-        f"{cfg.name}: the model runs layers that are all dense or all MoE; this config has "
-        f"first_dense_layers={cfg.first_dense_layers} dense layers before its MoE layers "
-        f"(the cost model and planner price it)")
   D, E, Fm, Fs = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                   cfg.shared_expert_size)
   specs = {
@@ -99,13 +105,18 @@ def moe_specs(cfg: ModelConfig) -> Dict[str, WeightSpec]:
 
 
 def weight_specs(cfg: ModelConfig) -> Dict[str, object]:
-  """Top-level specs; "layers" maps to the per-layer specs with a leading layer axis."""
+  """Top-level specs; "layers" maps to the per-layer specs with a leading layer axis, or
+  (layers that differ) to a list of each layer's specs."""
   D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+  if uniform_layers(cfg):
+    layers = {k: WeightSpec((L,) + s.shape, ("layers",) + s.axes, s.init)
+              for k, s in layer_specs(cfg).items()}
+  else:
+    layers = [layer_specs(cfg, i) for i in range(L)]
   specs = {
       "embed": WeightSpec((V, D), ("vocab", "embed")),
       "final_norm": WeightSpec((D,), ("embed",), "ones"),
-      "layers": {k: WeightSpec((L,) + s.shape, ("layers",) + s.axes, s.init)
-                 for k, s in layer_specs(cfg).items()},
+      "layers": layers,
   }
   if not cfg.tie_embeddings:
     specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
@@ -152,9 +163,10 @@ def unstack_layers(params):
 
 
 def stack_layers(params):
-  """List of per-layer dicts -> stacked layer weights (the `lax.scan` layout)."""
+  """List of per-layer dicts -> stacked layer weights (the `lax.scan` layout); layers that
+  hold different weights (dense MLP layers before MoE ones) stay a list."""
   layers = params["layers"]
-  if isinstance(layers, dict):
+  if isinstance(layers, dict) or any(set(lyr) != set(layers[0]) for lyr in layers):
     return params
   out = dict(params)
   out["layers"] = {k: jnp.stack([lyr[k] for lyr in layers]) for k in layers[0]}
