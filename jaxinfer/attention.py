@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Union
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.sharding import TP
 from pallas_kernels import kv_codec
 from pallas_kernels.paged_attention import reference, xla
 
@@ -46,7 +47,7 @@ def write_kv(pool, ks, vs, page, offset, backend: Union[str, AttentionSpec] = "x
   spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
   if spec.tp is None or spec.tp.size == 1:
     return write_tokens(pool, ks, vs, page, offset)
-  ax = spec.tp.mesh.axis_names[0]
+  ax = TP
   return jax.shard_map(write_tokens, mesh=spec.tp.mesh,
                        in_specs=(P(None, ax), P(None, None, ax), P(None, None, ax), P(), P()),
                        out_specs=P(None, ax), check_vma=False)(pool, ks, vs, page, offset)
@@ -72,7 +73,7 @@ def paged_attention(q, k_new, v_new, pool, layer, batch, *, attn_shape,
     # Tensor parallel: each device attends with its query heads over its KV heads' pages
     # (heads split contiguously, so a local query head's KV head is local too).
     meta = {k: batch[k] for k in ("page_table", "query_start", "query_len", "cached_len")}
-    heads = P(None, spec.tp.mesh.axis_names[0])
+    heads = P(None, TP)
     local = spec._replace(tp=None)
     extra = () if window is None else (window,)  # a traced window enters as an argument
     return jax.shard_map(

@@ -149,6 +149,7 @@ def _check_engine_flags():
     from jaxinfer.config import MODEL_CONFIGS
     if FLAGS.model in MODEL_CONFIGS:  # a known config: tp checked before the load
       MODEL_CONFIGS[FLAGS.model].check_tp(spec.tp)
+      MODEL_CONFIGS[FLAGS.model].check_ep(spec.ep)
   except ValueError as e:
     _usage_error(str(e))
   if not FLAGS.buckets:

@@ -141,6 +141,14 @@ class ModelConfig:
             f"{self.num_heads}, num_kv_heads={self.num_kv_heads} and intermediate_size="
             f"{self.intermediate_size} (possible: {ok})")
 
+  def check_ep(self, ep: int) -> None:
+    """Raise unless expert parallelism over `ep` device groups splits the experts evenly."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+      raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
+    if ep > 1 and (not self.num_experts or self.num_experts % ep):
+      raise ValueError(f"ep={ep} needs a mixture of experts whose num_experts it divides; "
+                       f"{self.name} has num_experts={self.num_experts}")
+
   @property
   def q_per_kv(self) -> int:
     return self.num_heads // self.num_kv_heads

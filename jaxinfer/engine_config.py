@@ -99,8 +99,9 @@ class EngineConfig:
   max_loras: Optional[int] = _opt(None, "adapter slots on the device (0: one per --lora, "
                                   "at most 8)", flag_default=0, from_flag=_none_if_falsy)
   max_lora_rank: int = _opt(16, "the largest adapter rank the slots hold")
-  mesh: Optional[str] = _opt(None, "devices: 'tp:N[,dp:M]' - each replica tensor parallel "
-                             "over N devices, M data-parallel replicas behind a router "
+  mesh: Optional[str] = _opt(None, "devices: 'tp:N[,ep:E][,dp:M]' - each replica tensor "
+                             "parallel over N devices (times E expert-parallel groups for a "
+                             "mixture of experts), M data-parallel replicas behind a router "
                              "(default: one device)", flag_default="", from_flag=_none_if_falsy)
   routing: str = _opt("prefix", "with dp > 1: send a request to the replica that saw its "
                       "longest prefix (balanced by load), or in turn",
@@ -155,7 +156,7 @@ class EngineConfig:
                                                                self.offload.layers)):
       raise ValueError(f"weight_format='gguf' runs on one device without weight offload: not "
                        f"with mesh {mesh} / offload {self.offload}")
-    sharding.check_single_device_features(mesh.tp, mesh.dp > 1, self.offload,
+    sharding.check_single_device_features(mesh.replica_devices, mesh.dp > 1, self.offload,
                                           bool(self.lora_adapters or self.max_loras))
 
 

@@ -80,7 +80,7 @@ class LLM:
     of one as JSON, default BucketTable.default (8.2.4); warmup: compile every shape of the
     table now, with a progress bar (`warmup_s` holds the seconds); offload: an
     OffloadConfig (8.4.3), whose net device-memory saving goes to the KV pool; mesh:
-    "tp:N[,dp:M]" (jaxinfer/sharding.py), num_pages per replica; weight_format="gguf": steps
+    "tp:N[,ep:E][,dp:M]" (jaxinfer/sharding.py), num_pages per replica; weight_format="gguf": steps
     of few tokens read the .gguf file's own blocks in place (CPU, one device, 8.4.1)."""
     from jaxinfer.executors.jax_executor import JaxExecutor
     from jaxinfer.loading import LoadedModel, load_model
@@ -106,6 +106,7 @@ class LLM:
                                             weight_format=c.weight_format)
     self.cfg = self.model.cfg
     self.cfg.check_tp(self.mesh.tp)
+    self.cfg.check_ep(self.mesh.ep)
     self.tokenizer = self.model.tokenizer
     self.max_model_len = min(c.max_model_len or self.cfg.max_position, self.cfg.max_position)
     self.buckets = buckets or BucketTable.default(
@@ -146,12 +147,13 @@ class LLM:
         draft_model, LoadedModel):
       draft_model = load_model(draft_model, dtype, scan_layers=c.scan_layers)
     engines = []
-    for devices in groups:  # one replica per data-parallel group of tp devices
+    for devices in groups:  # one replica per data-parallel group of tp x ep devices
       executor = JaxExecutor(self.cfg, self.model.params, num_pages=num_pages,
                              page_size=page_size, kv_format=kv_format, backend=c.attention,
                              offload=offload, q_precision=c.q_precision,
                              lora_adapters=adapters, max_loras=max_loras,
-                             max_lora_rank=max_lora_rank if max_loras else 0, devices=devices)
+                             max_lora_rank=max_lora_rank if max_loras else 0, devices=devices,
+                             ep=self.mesh.ep)
       drafter = make_drafter(c.speculative,
                              early_exit_layers=c.early_exit_layers or self.cfg.num_layers // 2,
                              draft_model=draft_model, draft_pages=num_pages)

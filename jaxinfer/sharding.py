@@ -1,4 +1,5 @@
-"""Several devices: a mesh of `tp` (tensor parallel) x `dp` (data parallel) devices.
+"""Several devices: a mesh of `tp` (tensor parallel) x `ep` (expert parallel) x `dp`
+(data parallel) devices.
 
 Tensor parallelism (Megatron layout, one rule table): weights are placed by the logical
 axes each `model.params.WeightSpec` declares, mapped to mesh axes by `RULES` through
@@ -19,7 +20,12 @@ tp must divide the query heads, the KV heads and the FFN width (SmolLM2: 9 query
 KV heads, so tp 1 or 3; Qwen3-8B: 32 / 8, so tp 1, 2, 4 or 8); other values are refused
 with the reason. The vocabulary is split when tp divides it and replicated otherwise.
 
-Data parallelism: `dp` replicas on disjoint groups of tp devices, each with its own
+Expert parallelism (a mixture of experts): a replica's mesh is ep x tp; `experts` -> ep
+splits each expert stack's experts over the ep groups (their FFN width over tp inside a
+group). Activations stay replicated, so each device runs the rows routed to its experts
+and one all-reduce over the mesh sums them (model/moe.py, under `shard_map`).
+
+Data parallelism: `dp` replicas on disjoint groups of tp x ep devices, each with its own
 pool and scheduler, behind one router (`runtime.router.Router`).
 
 Several processes: `initialize_distributed` joins a `jax.distributed` job; the mesh then
@@ -42,17 +48,20 @@ from jaxinfer.config import ModelConfig
 log = logging.getLogger(__name__)
 
 TP = "tp"
+EP = "ep"
 # logical axis (model.params.WeightSpec.axes) -> mesh axis; None: replicated
 RULES = (("q_heads", TP), ("kv_heads", TP), ("mlp", TP), ("vocab", TP),
-         ("embed", None), ("layers", None), ("head_dim", None), ("experts", None),
+         ("embed", None), ("layers", None), ("head_dim", None), ("experts", EP),
          ("expert_scores", None), ("kv_lora", None), ("q_lora", None))
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-  """`tp:N[,dp:M]` (the CLI's --mesh, LLM(mesh=...)): N devices per replica, M replicas."""
+  """`tp:N[,ep:E][,dp:M]` (the CLI's --mesh, LLM(mesh=...)): N x E devices per replica
+  (tensor parallel N, expert parallel E), M replicas."""
   tp: int = 1
   dp: int = 1
+  ep: int = 1
 
   @classmethod
   def parse(cls, text) -> "MeshSpec":
@@ -64,23 +73,29 @@ class MeshSpec:
       raise ValueError(f"mesh must be a string like 'tp:2,dp:2', got {text!r}")
     sizes = {}
     for part in text.split(","):
-      m = re.fullmatch(r"\s*(tp|dp)\s*:\s*(\d+)\s*", part)
+      m = re.fullmatch(r"\s*(tp|dp|ep)\s*:\s*(\d+)\s*", part)
       if not m:
-        raise ValueError(f"mesh: {part!r} in {text!r} is not 'tp:N' or 'dp:M' (N, M >= 1)")
+        raise ValueError(f"mesh: {part!r} in {text!r} is not 'tp:N', 'ep:E' or 'dp:M' "
+                         f"(N, E, M >= 1)")
       if m.group(1) in sizes:
         raise ValueError(f"mesh: {m.group(1)} given twice in {text!r}")
       sizes[m.group(1)] = int(m.group(2))
     spec = cls(**sizes)
-    if spec.tp < 1 or spec.dp < 1:
-      raise ValueError(f"mesh: tp and dp must be >= 1, got {text!r}")
+    if spec.tp < 1 or spec.dp < 1 or spec.ep < 1:
+      raise ValueError(f"mesh: tp, ep and dp must be >= 1, got {text!r}")
     return spec
 
   @property
+  def replica_devices(self) -> int:
+    return self.tp * self.ep
+
+  @property
   def devices(self) -> int:
-    return self.tp * self.dp
+    return self.replica_devices * self.dp
 
   def __str__(self):
-    return f"tp:{self.tp},dp:{self.dp}"
+    return f"tp:{self.tp},ep:{self.ep},dp:{self.dp}" if self.ep > 1 else \
+        f"tp:{self.tp},dp:{self.dp}"
 
 
 def check_single_device_features(tp: int, other_device: bool, offload=None,
@@ -102,22 +117,30 @@ def device_groups(spec: MeshSpec, devices: Optional[Sequence] = None):
     raise ValueError(f"mesh {spec} needs {spec.devices} devices, {len(devices)} are visible "
                      f"({jax.default_backend()}); on CPU set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={spec.devices}")
-  return [devices[i * spec.tp:(i + 1) * spec.tp] for i in range(spec.dp)]
+  n = spec.replica_devices
+  return [devices[i * n:(i + 1) * n] for i in range(spec.dp)]
 
 
-def tp_mesh(devices: Sequence) -> Mesh:
-  return Mesh(np.array(list(devices)), (TP,))
+def tp_mesh(devices: Sequence, ep: int = 1) -> Mesh:
+  """One replica's mesh: ep x tp devices (expert parallel over the first axis)."""
+  devices = list(devices)
+  return Mesh(np.array(devices).reshape(ep, len(devices) // ep), (EP, TP))
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-  """The static sharding of one replica's step (hashable: part of jit's static key)."""
+  """The static sharding of one replica's step (hashable: part of jit's static key): tp
+  devices split heads and FFN columns; ep groups of them split the experts."""
   mesh: Mesh
   split_vocab: bool
 
   @property
   def size(self) -> int:
     return self.mesh.shape[TP]
+
+  @property
+  def ep(self) -> int:
+    return self.mesh.shape[EP]
 
   def rules(self):
     return tuple((a, None if (a == "vocab" and not self.split_vocab) else m) for a, m in RULES)
@@ -129,13 +152,15 @@ class TensorParallel:
     return NamedSharding(self.mesh, P(None, TP))  # every pool component: [L, K, ...]
 
 
-def make_tp(cfg: ModelConfig, devices: Sequence) -> TensorParallel:
-  cfg.check_tp(len(devices))
-  split_vocab = cfg.vocab_size % len(devices) == 0
+def make_tp(cfg: ModelConfig, devices: Sequence, ep: int = 1) -> TensorParallel:
+  tp = len(devices) // ep
+  cfg.check_tp(tp)
+  cfg.check_ep(ep)
+  split_vocab = cfg.vocab_size % tp == 0
   if not split_vocab:
     log.info("vocab %d is not divisible by tp=%d: the embedding and LM head are replicated",
-             cfg.vocab_size, len(devices))
-  return TensorParallel(tp_mesh(devices), split_vocab)
+             cfg.vocab_size, tp)
+  return TensorParallel(tp_mesh(devices, ep), split_vocab)
 
 
 def param_shardings(cfg: ModelConfig, tp: TensorParallel, params):

@@ -4,6 +4,7 @@ process. Prints one JSON object on its last line.
 
   python tests/sharding_worker.py tp             # 8 virtual devices: tp 1/2/4, dp 2
   python tests/sharding_worker.py dist PORT ID   # one process of a 2-process tp=2 job
+  python tests/sharding_worker.py ep             # 4 virtual devices: ep 2/4, tp 2 x ep 2
 """
 from __future__ import annotations
 
@@ -81,6 +82,51 @@ def run_tp() -> dict:
   return out
 
 
+def tiny_moe(first_dense: int = 0, mla: bool = False):
+  """A random mixture of experts (8 experts, top 2) with 4 query and 2 KV heads; mla: a
+  DeepSeek-V3-style one (latent attention, sigmoid group-limited router, shared expert),
+  its first `first_dense` layers dense."""
+  import jax
+  from jaxinfer.config import DEEPSEEK_V3, QWEN3_30B_A3B
+  from jaxinfer.loading.registry import LoadedModel
+  from jaxinfer.model.params import init_params
+  common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_experts=8, experts_per_token=2, moe_intermediate_size=64, max_position=512)
+  if mla:
+    cfg = DEEPSEEK_V3.replace(
+        name="mla-moe-tiny-random", num_heads=4, num_kv_heads=4, head_dim=32, kv_lora_rank=48,
+        qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=0, rope_scaling=(),
+        query_scale=None, expert_groups=2, expert_groups_kept=1, shared_expert_size=64,
+        first_dense_layers=first_dense, **common)
+  else:
+    cfg = QWEN3_30B_A3B.replace(name="moe-tiny-random", num_heads=4, num_kv_heads=2,
+                                head_dim=16, **common)
+  params = init_params(cfg, jax.random.PRNGKey(1), std=0.5)
+  return LoadedModel(cfg, params, None, "random")
+
+
+def run_ep() -> dict:
+  """Expert parallel meshes against one device, on a Qwen3-MoE-style model (tp x ep too)
+  and a DeepSeek-style one (latent attention: ep without tp; a dense first layer, so its
+  layers stay a list), with each device's share of the experts."""
+  import jax
+  from jaxinfer import sharding
+  out = {"tokens": {}, "experts": {}}
+  for name, m, meshes in (("moe", tiny_moe(), ("tp:1", "ep:2", "ep:4", "tp:2,ep:2")),
+                          ("mla", tiny_moe(1, mla=True), ("tp:1", "ep:2"))):
+    for mesh in meshes:
+      llm = make_llm(m, mesh)
+      out["tokens"][f"{name} {mesh}"] = greedy(llm)
+      layers = llm.executor.params["layers"]
+      layers = layers if isinstance(layers, list) else [layers]
+      stacks = [lyr["experts_gate"] for lyr in layers if "experts_gate" in lyr]
+      stacks = [s for s in stacks if hasattr(s, "addressable_shards")]
+      out["experts"][f"{name} {mesh}"] = {
+          "full": sum(s.nbytes for s in stacks),
+          "per_device": sharding.device_bytes(stacks)}
+  return out
+
+
 def run_dist(port: int, pid: int) -> dict:
   from jaxinfer import sharding
   sharding.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
@@ -94,5 +140,10 @@ def run_dist(port: int, pid: int) -> dict:
 
 if __name__ == "__main__":
   mode = sys.argv[1]
-  res = run_tp() if mode == "tp" else run_dist(int(sys.argv[2]), int(sys.argv[3]))
+  if mode == "tp":
+    res = run_tp()
+  elif mode == "ep":
+    res = run_ep()
+  else:
+    res = run_dist(int(sys.argv[2]), int(sys.argv[3]))
   print(json.dumps(res))

@@ -75,6 +75,7 @@ def jobs(tmp_path_factory):
   port = _free_port()
   started = {
       "tp": _Job([sys.executable, WORKER, "tp"], _env(8), tmp),
+      "ep": _Job([sys.executable, WORKER, "ep"], _env(4), tmp),
       "dist0": _Job([sys.executable, WORKER, "dist", str(port), "0"], _env(1), tmp),
       "dist1": _Job([sys.executable, WORKER, "dist", str(port), "1"], _env(1), tmp),
       "cli_tp3": _Job([sys.executable, "-m", "jaxinfer", "generate", "--mesh=tp:3", "--json",
@@ -140,10 +141,28 @@ def test_cli_generate_tp3_on_smollm2_matches_recompute(jobs, smollm2):
   assert out["token_ids"] == recompute_greedy(smollm2.cfg, smollm2.params, ids, 6)
 
 
+def test_expert_parallel_tokens_equal_one_device_and_split_the_experts(jobs):
+  """ep:2, ep:4 and tp:2 x ep:2 on a random MoE, ep:2 on a latent-attention MoE with a
+  dense first layer: one device's greedy tokens; each device holds 1/(ep x tp) of the
+  expert weights (the FFN width split over tp inside each expert)."""
+  out = jobs["ep"].result()[1]
+  for name, meshes in (("moe", ("ep:2", "ep:4", "tp:2,ep:2")), ("mla", ("ep:2",))):
+    ref = out["tokens"][f"{name} tp:1"]
+    assert len(ref) == 3 and all(len(t) == 6 for t in ref)
+    for mesh in meshes:
+      assert out["tokens"][f"{name} {mesh}"] == ref, (name, mesh)
+      rec = out["experts"][f"{name} {mesh}"]
+      n = 4 if mesh in ("ep:4", "tp:2,ep:2") else 2
+      assert len(rec["per_device"]) == n and rec["full"] > 0, (name, mesh, rec)
+      assert all(b * n == rec["full"] for b in rec["per_device"].values()), (name, mesh, rec)
+
+
 def test_mesh_spec_and_tp_checks():
   assert sharding.MeshSpec.parse("tp:2,dp:3") == sharding.MeshSpec(2, 3)
   assert sharding.MeshSpec.parse("dp:2") == sharding.MeshSpec(1, 2)
-  for bad in ("tp2", "tp:0", "tp:2,tp:2", "pp:2", 3):
+  assert sharding.MeshSpec.parse("tp:2,ep:4,dp:2") == sharding.MeshSpec(2, 2, 4)
+  assert sharding.MeshSpec.parse("ep:4").devices == 4
+  for bad in ("tp2", "tp:0", "tp:2,tp:2", "pp:2", "ep:0", 3):
     with pytest.raises(ValueError, match="mesh"):
       sharding.MeshSpec.parse(bad)
   smol = MODEL_CONFIGS["smollm2-135m-instruct"]
@@ -152,6 +171,10 @@ def test_mesh_spec_and_tp_checks():
     smol.check_tp(2)
   with pytest.raises(ValueError, match="needs 4 devices, 1 are visible"):
     sharding.device_groups(sharding.MeshSpec(2, 2))
+  with pytest.raises(ValueError, match="ep=2 needs a mixture of experts"):
+    smol.check_ep(2)
+  with pytest.raises(ValueError, match="ep=3 needs .* num_experts=128"):
+    MODEL_CONFIGS["qwen3-30b-a3b"].check_ep(3)
 
 
 def test_cli_refuses_a_mesh_larger_than_the_machine():

@@ -32,7 +32,7 @@ class JaxExecutor:
                q_precision: str = "compute", overlap_masks: Optional[bool] = None,
                lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
                lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None,
-               devices: Optional[Sequence] = None):
+               devices: Optional[Sequence] = None, ep: int = 1):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
@@ -50,7 +50,8 @@ class JaxExecutor:
     (ops.DECODE_MODE for decode-only steps, ops.PREFILL_MODE otherwise).
     devices: the devices this executor runs on (default: the first one); several: tensor
     parallel over them (jaxinfer/sharding.py: weights split by their logical axes, the
-    KV pool by KV heads, attention per shard)."""
+    KV pool by KV heads, attention per shard); ep: of them, groups splitting a mixture
+    of experts' experts (expert parallel; tp = devices / ep within each group)."""
     self.cfg = cfg
     self.vocab_size = cfg.vocab_size
     self.params = params
@@ -68,7 +69,7 @@ class JaxExecutor:
                                           self.devices[0] != jax.devices()[0], offload,
                                           bool(max_loras))
     if len(self.devices) > 1:
-      self.tp = sharding.make_tp(cfg, self.devices)
+      self.tp = sharding.make_tp(cfg, self.devices, ep)
       self.backend = self.backend._replace(tp=self.tp)
       self.params = sharding.shard_params(params, cfg, self.tp)
       pool = jax.eval_shape(lambda: allocate_pool(cfg, kv_format, num_pages, page_size))

@@ -85,12 +85,15 @@ def activation(x, name: str):
   return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
 
 
-def mlp(x, p, cfg: ModelConfig, real=None):
+def mlp(x, p, cfg: ModelConfig, real=None, backend=None):
   """The layer's MLP: SwiGLU / GeGLU, or a mixture of experts of them (moe.py; real [T]:
-  the rows that are tokens, None: all)."""
+  the rows that are tokens, None: all; backend: the attention spec, whose mesh a
+  several-device replica's experts are split over)."""
   if "router" in p:  # this layer's MLP is a mixture of experts
+    par = getattr(backend, "tp", None)
+    par = par if par is not None and par.mesh.size > 1 else None
     with jax.named_scope("moe"):
-      return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act), real)
+      return moe.moe_mlp(x, p, cfg, lambda g: activation(g, cfg.hidden_act), real, par)
   with jax.named_scope("mlp"):
     g, u = linear_group(x, p, ("w_gate", "w_up"))  # [T, F] each
     h = (activation(g, cfg.hidden_act) * u).astype(x.dtype)

@@ -127,26 +127,69 @@ def grouped_experts(x_sorted, expert_sorted, sizes, wg, wu, wd, act, *, ragged: 
   return yp.at[row].get(mode="fill", fill_value=0)
 
 
-def moe_mlp(x, p, cfg: ModelConfig, act, real=None):
+def _routed(x, weights, experts, wg, wu, wd, act, num_experts: int):
+  """Each row of x [T, D] through its k experts (experts [T, k], index num_experts: none),
+  summed with weights [T, k]: [T, D] float32."""
+  T, D = x.shape
+  k = experts.shape[1]
+  flat = experts.reshape(-1)  # [T k]
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  y = grouped_experts(x[token], flat[order], sizes, wg, wu, wd, act,
+                      ragged=jax.default_backend() != "cpu")
+  y = y * weights.reshape(-1)[order][:, None]
+  return jnp.zeros((T, D), jnp.float32).at[token].add(y)
+
+
+def _spec(w, f_axis: int):
+  """The partition of an expert stack [(L,) E, in, out]: experts over ep, the FFN width
+  (axis f_axis of one expert's matrix) over tp."""
+  from jax.sharding import PartitionSpec as P
+  from jaxinfer.sharding import EP, TP
+  per = [EP, None, None]
+  per[1 + f_axis] = TP
+  if isinstance(w, Experts):
+    return Experts(P(None, *per), P())
+  return P(*per)
+
+
+def _routed_parallel(x, weights, experts, wg, wu, wd, act, num_experts: int, par):
+  """_routed over a replica's mesh: each ep group holds num_experts / ep experts (and each
+  tp device a 1/tp slice of their FFN width); every device takes the rows routed to its
+  experts (tokens are replicated: no exchange before the experts) and the partial sums
+  meet in one all-reduce over the mesh."""
+  from jax.sharding import PartitionSpec as P
+  from jaxinfer.sharding import EP, TP
+  local_experts = num_experts // par.ep
+
+  def local(x, weights, experts, wg, wu, wd):
+    first = jax.lax.axis_index(EP) * local_experts
+    mine = experts - first
+    mine = jnp.where((mine >= 0) & (mine < local_experts), mine, local_experts)
+    return jax.lax.psum(_routed(x, weights, mine, wg, wu, wd, act, local_experts), (EP, TP))
+
+  return jax.shard_map(
+      local, mesh=par.mesh,
+      in_specs=(P(), P(), P(), _spec(wg, 1), _spec(wu, 1), _spec(wd, 0)),
+      out_specs=P(), check_vma=False)(x, weights, experts, wg, wu, wd)
+
+
+def moe_mlp(x, p, cfg: ModelConfig, act, real=None, par=None):
   """x [T, D] (normed) -> [T, D]: routed experts (weighted sum) plus the shared expert.
   real [T] bool: the rows that are tokens (a bucket's padding rows reach no expert, so a
-  padded step reads no more experts than its tokens need); None: every row."""
-  T, D = x.shape
-  k = cfg.experts_per_token
+  padded step reads no more experts than its tokens need); None: every row.
+  par: the replica's sharding.TensorParallel when it spans several devices (experts over
+  its ep axis, their FFN width over tp); None: one device."""
   with jax.named_scope("router"):
     logits = linear(x, p["router"])
     weights, experts = route(logits, cfg, p.get("router_bias"))
   with jax.named_scope("experts"):
     if real is not None:  # padding rows: expert E, sorted last, in no group
       experts = jnp.where(real[:, None], experts, cfg.num_experts)
-    flat = experts.reshape(-1)  # [T k]
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-    y = grouped_experts(x[token], flat[order], sizes, p["experts_gate"], p["experts_up"],
-                        p["experts_down"], act, ragged=jax.default_backend() != "cpu")
-    y = y * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((T, D), jnp.float32).at[token].add(y)
+    args = (x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], act,
+            cfg.num_experts)
+    out = _routed(*args) if par is None else _routed_parallel(*args, par)
   if cfg.shared_expert_size:
     with jax.named_scope("shared_expert"):
       h = act(linear(x, p["shared_gate"]).astype(jnp.float32)) * linear(

@@ -25,7 +25,7 @@ def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None)
   x = x + h
   # a mixture of experts routes only the step's real tokens (padding rows reach no expert)
   real = jnp.arange(x.shape[0]) < jnp.sum(batch["query_len"]) if "router" in p else None
-  h = layers.mlp(norm(x, "mlp_norm"), p, cfg, real)
+  h = layers.mlp(norm(x, "mlp_norm"), p, cfg, real, backend)
   if cfg.sandwich_norms:
     h = norm(h, "post_mlp_norm")
   return x + h, k, v
