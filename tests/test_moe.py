@@ -151,3 +151,15 @@ def test_moe_batching_small_binary(tmp_path):
   assert [r["batch"] for r in d["real"]["moe_rows"]] == [1, 8]
   assert all(r["round_ms"] > 0 for r in d["real"]["moe_rows"] + d["real"]["dense_rows"])
   assert (tmp_path / "moe_batching.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name,total_b,active_b", [
+    ("qwen3-30b-a3b", 30.5, 3.3), ("qwen3-235b-a22b", 235, 22), ("mixtral-8x7b", 46.7, 12.9),
+    ("deepseek-v3", 671, 37)])
+def test_moe_configs_count_their_published_parameters(name, total_b, active_b):
+  """Total and active parameters from the configs' shapes, against the names' figures
+  (DeepSeek-V3's 671B without its multi-token-prediction layer; 37B active)."""
+  from jaxinfer.config import get_model_config
+  cfg = get_model_config(name)
+  assert cfg.param_count() / 1e9 == pytest.approx(total_b, rel=0.015)
+  assert cfg.active_param_count() / 1e9 == pytest.approx(active_b, rel=0.03)
