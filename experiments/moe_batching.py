@@ -10,7 +10,9 @@ as wide as the MLP share one token runs through (equal active parameters).
 Simulated: --config.sim_model (default Qwen3-30B-A3B) on --config.sim_hardware, decode
 rounds at a fixed context, experts touched expected under uniform routing. Real: a small
 random-weight MoE and its dense twin, f32 on this CPU, through the engine (the median
-decode round of each batch), beside the same cost model's bytes per round.
+decode round of each batch), beside the same cost model's bytes per round; the experts
+each decode call actually reached, measured (moe.observe_routing), beside the uniform
+expectation and the expectation under the run's measured per-expert load.
 """
 from __future__ import annotations
 
@@ -50,32 +52,65 @@ def sim_curve(cfg: ModelConfig, hardware: str, context: int, batches) -> list:
   return rows
 
 
+def _run(model, B: int, L: int, G: int, seed: int):
+  """(LLM, its steps' records of the second of two identical runs): the first compiles."""
+  from jaxinfer.llm import LLM
+  pages = -(-(L + G) // 16)
+  llm = LLM(model, warmup=False, num_pages=B * pages + 8,
+            buckets=BucketTable.default(max_tokens=max(64, L), max_requests=B,
+                                        max_pages=pages))
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, model.cfg.vocab_size, L).tolist() for _ in range(B)]
+  sp = SamplingParams(max_tokens=G, ignore_eos=True)
+  llm.generate(prompts, sp)
+  n0 = len(llm.engine.steps)
+  llm.generate(prompts, sp)
+  return llm.engine.steps[n0:]
+
+
+def measured_routing(model, B: int, L: int, G: int, seed: int = 0):
+  """The run's routing, measured: (mean experts one MoE layer's decode call reached,
+  each expert's share of all assignments). Traced apart (a renamed config, so its own
+  executables) with moe.observe_routing on; the timed runs carry no callback."""
+  from jaxinfer.loading.registry import LoadedModel
+  from jaxinfer.model import moe
+  cfg = model.cfg
+  calls = []
+  moe.observe_routing(lambda counts: calls.append(np.asarray(counts)))
+  try:
+    _run(LoadedModel(cfg.replace(name=cfg.name + "-routing"), model.params, None,
+                     model.source), B, L, G, seed)
+  finally:
+    moe.observe_routing(None)
+  k = cfg.experts_per_token
+  decode = [c for c in calls if c.sum() == B * k]  # a decode step's layers: B tokens
+  total = np.sum(calls, axis=0)
+  return (float(np.mean([(c > 0).sum() for c in decode])) if decode else float("nan"),
+          tuple(float(x) for x in total / total.sum()))
+
+
 def real_curve(cfg: ModelConfig, batches, L: int, G: int, seed: int = 0) -> list:
   import jax
   from jaxinfer.costmodel import ModelCosts
-  from jaxinfer.llm import LLM
   from jaxinfer.loading.registry import LoadedModel
   from jaxinfer.model.params import init_params
   model = LoadedModel(cfg, init_params(cfg, jax.random.PRNGKey(seed)), None, "random")
   costs = ModelCosts(cfg, 4.0, "f32", 16)
   rows = []
-  pages = -(-(L + G) // 16)
   prog = Progress(len(batches), cfg.name)
   for B in batches:
-    llm = LLM(model, warmup=False, num_pages=B * pages + 8,
-              buckets=BucketTable.default(max_tokens=max(64, L), max_requests=B,
-                                          max_pages=pages))
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, cfg.vocab_size, L).tolist() for _ in range(B)]
-    sp = SamplingParams(max_tokens=G, ignore_eos=True)
-    llm.generate(prompts, sp)  # compile the shapes this batch uses
-    n0 = len(llm.engine.steps)
-    llm.generate(prompts, sp)
-    dec = [s.duration for s in llm.engine.steps[n0:] if s.num_prefill_tokens == 0]
-    round_s = float(np.median(dec))
-    rows.append({"batch": B, "round_ms": 1e3 * round_s, "tok_s": B / round_s,
-                 "weights_read_mb": costs.weights_read(B) / 1e6,
-                 "experts_touched": cfg.expected_experts_touched(B)})
+    steps = _run(model, B, L, G, seed)
+    round_s = float(np.median([s.duration for s in steps if s.num_prefill_tokens == 0]))
+    row = {"batch": B, "round_ms": 1e3 * round_s, "tok_s": B / round_s,
+           "weights_read_mb": costs.weights_read(B) / 1e6,
+           "experts_touched": cfg.expected_experts_touched(B)}
+    if cfg.num_experts:  # the routing this run took, beside the uniform expectation
+      touched, load = measured_routing(model, B, L, G, seed)
+      row.update(experts_touched_measured=touched,
+                 experts_touched_from_load=cfg.expected_experts_touched(B, load),
+                 weights_read_mb_from_load=ModelCosts(cfg, 4.0, "f32", 16, load)
+                 .weights_read(B) / 1e6)
+    rows.append(row)
     prog.step(f"batch {B}: {1e3 * round_s:.1f} ms per round")
   return rows
 
@@ -132,10 +167,15 @@ def print_tables(res: dict) -> None:
     print(f"\n{where}: {r['moe']} ({r['active_params'] / 1e9:.3g}B active of "
           f"{r['total_params'] / 1e9:.3g}B) vs {r['dense']} ({r['dense_params'] / 1e9:.3g}B)")
     key = "weights_read_gb" if where == "sim" else "weights_read_mb"
-    print(f"{'batch':>5} {'touched':>8} {'W read ' + unit:>11} {'MoE ms':>8} {'dense ms':>9} "
+    measured = where == "real"
+    print(f"{'batch':>5} {'touched':>8} " + (f"{'measured':>9} {'from load':>10} "
+                                              if measured else "")
+          + f"{'W read ' + unit:>11} {'MoE ms':>8} {'dense ms':>9} "
           f"{'MoE tok/s':>10} {'dense tok/s':>12} {'MoE/dense':>10}")
     for m, d in zip(r["moe_rows"], r["dense_rows"]):
-      print(f"{m['batch']:>5} {m['experts_touched']:>8.1f} {m[key] * scale:>11.2f} "
+      seen = (f"{m['experts_touched_measured']:>9.1f} {m['experts_touched_from_load']:>10.1f} "
+              if measured else "")
+      print(f"{m['batch']:>5} {m['experts_touched']:>8.1f} {seen}{m[key] * scale:>11.2f} "
             f"{m['round_ms']:>8.2f} {d['round_ms']:>9.2f} {m['tok_s']:>10.0f} "
             f"{d['tok_s']:>12.0f} {m['round_ms'] / d['round_ms']:>10.2f}")
 

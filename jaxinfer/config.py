@@ -244,25 +244,29 @@ class ModelConfig:
     """Total stored weight bytes (the chapter's reference data: Qwen3-8B bf16 = 16,381,470,720)."""
     return int(self.param_count() * bytes_per_param)
 
-  def expected_experts_touched(self, tokens: float) -> float:
-    """Routed experts of one MoE layer that `tokens` tokens reach, expected under uniform
-    routing: each token picks k of E without replacement, so an expert escapes one token
-    with probability 1 - k/E and all of them with (1 - k/E)^tokens."""
+  def expected_experts_touched(self, tokens: float, load=None) -> float:
+    """Routed experts of one MoE layer that `tokens` tokens reach, expected: each token
+    picks k of E, reaching expert e with probability k p_e (p_e: e's share of all
+    assignments, `load`; default uniform, 1/E), so e escapes `tokens` independent tokens
+    with probability (1 - k p_e)^tokens."""
     if not self.num_experts:
       return 0.0
     e, k = self.num_experts, self.experts_per_token
-    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0))
+    if load is None:
+      return e * (1.0 - (1.0 - k / e) ** max(tokens, 0))
+    return float(sum(1.0 - (1.0 - min(1.0, k * p)) ** max(tokens, 0) for p in load))
 
   def weight_bytes_read_per_step(self, bytes_per_param: float = 2.0,
-                                 tokens: Optional[float] = None) -> int:
+                                 tokens: Optional[float] = None, load=None) -> int:
     """D_w (8.2.1): matrix weights one step reads; the embedding table is only looked up.
 
     With tied embeddings the table doubles as the LM head and is read whole. A mixture of
     experts reads only the experts the step's `tokens` reach (expected under uniform
-    routing; None: all of them, the bound a large batch approaches).
+    routing, or under a measured `load`: expected_experts_touched; tokens None: all of
+    them, the bound a large batch approaches).
     """
     emb = self.vocab_size * self.hidden_size
-    experts = None if tokens is None else self.expected_experts_touched(tokens)
+    experts = None if tokens is None else self.expected_experts_touched(tokens, load)
     read = emb + self.layers_param_count(experts) + self.hidden_size  # head or tied table
     return int(read * bytes_per_param)
 

@@ -104,7 +104,9 @@ class EngineConfig:
                              "mixture of experts), M data-parallel replicas behind a router "
                              "(default: one device)", flag_default="", from_flag=_none_if_falsy)
   routing: str = _opt("prefix", "with dp > 1: send a request to the replica that saw its "
-                      "longest prefix (balanced by load), or in turn",
+                      "longest prefix (balanced by load), in turn, to the fewest "
+                      "outstanding tokens, to the fewer of two drawn at random, or to the "
+                      "earliest predicted first token",
                       choices=ROUTING)
 
   def __post_init__(self):

@@ -112,7 +112,7 @@ def run_ep() -> dict:
   import jax
   from jaxinfer import sharding
   out = {"tokens": {}, "experts": {}}
-  for name, m, meshes in (("moe", tiny_moe(), ("tp:1", "ep:2", "ep:4", "tp:2,ep:2")),
+  for name, m, meshes in (("moe", tiny_moe(), ("tp:1", "ep:2", "tp:2,ep:2")),
                           ("mla", tiny_moe(1, mla=True), ("tp:1", "ep:2"))):
     for mesh in meshes:
       llm = make_llm(m, mesh)

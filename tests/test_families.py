@@ -67,7 +67,8 @@ _DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=
 # sandwich norms, offset norms, scaled embeddings, per-layer RoPE bases); the rest run in
 # the slow suite, and their one difference from Llama (RoPE scalings, YaRN's included) is
 # checked below without a compile.
-FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3",
+FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "deepseek_v3",
+            pytest.param("mixtral", marks=pytest.mark.slow),
             pytest.param("deepseek_v3_direct_q", marks=pytest.mark.slow),
             pytest.param("llama3", marks=pytest.mark.slow),
             pytest.param("llama_linear", marks=pytest.mark.slow),

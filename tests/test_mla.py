@@ -50,7 +50,9 @@ def test_pool_holds_one_latent_per_token_and_layer():
   assert sorted(q8) == ["k", "k_gs"]
 
 
-@pytest.mark.parametrize("kv_format", ["f32", "bf16", "q8_0", "fp8"])
+@pytest.mark.parametrize("kv_format", ["f32", "q8_0",
+                                       pytest.param("bf16", marks=pytest.mark.slow),
+                                       pytest.param("fp8", marks=pytest.mark.slow)])
 def test_attention_paths_agree_in_each_kv_format(model, kv_format):
   """Greedy tokens of two requests (chunked prefill, then decode) through the XLA path
   (its native decode call on CPU) equal the reference path's in the same KV format."""

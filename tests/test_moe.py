@@ -163,3 +163,29 @@ def test_moe_configs_count_their_published_parameters(name, total_b, active_b):
   cfg = get_model_config(name)
   assert cfg.param_count() / 1e9 == pytest.approx(total_b, rel=0.015)
   assert cfg.active_param_count() / 1e9 == pytest.approx(active_b, rel=0.03)
+
+
+def test_observed_routing_counts_the_real_rows_and_prices_a_skewed_load():
+  """moe.observe_routing reports each MoE call's rows per expert on the host (padding rows
+  not counted); a skewed measured load reaches fewer experts than uniform routing, and
+  the uniform load gives the uniform formula."""
+  cfg = QWEN3_8B.replace(hidden_size=D, num_experts=E, experts_per_token=2,
+                         moe_intermediate_size=F)
+  wg, wu, wd = _weights()
+  r = np.random.default_rng(0)
+  p = {"router": jnp.asarray(r.standard_normal((D, E)), jnp.float32), "experts_gate": wg,
+       "experts_up": wu, "experts_down": wd}
+  x = jnp.asarray(r.standard_normal((16, D)), jnp.float32)
+  real = jnp.arange(16) < 11
+  seen = []
+  moe.observe_routing(lambda counts: seen.append(np.asarray(counts)))
+  try:
+    jax.jit(lambda x: moe.moe_mlp(x, p, cfg, jax.nn.silu, real))(x).block_until_ready()
+  finally:
+    moe.observe_routing(None)
+  assert len(seen) == 1 and seen[0].shape == (E,) and seen[0].sum() == 11 * 2
+  uniform = (1 / E,) * E
+  assert cfg.expected_experts_touched(5, uniform) == pytest.approx(
+      cfg.expected_experts_touched(5))
+  skewed = (0.4, 0.4) + (0.2 / (E - 2),) * (E - 2)
+  assert cfg.expected_experts_touched(5, skewed) < cfg.expected_experts_touched(5)

@@ -34,6 +34,8 @@ class ModelCosts:
   bytes_per_param: float = 2.0
   kv_format: str = "bf16"
   page_size: int = 16
+  expert_load: Optional[Tuple[float, ...]] = None  # measured share of assignments per
+  #                                                 expert (None: uniform routing)
 
   @property
   def weight_bytes(self) -> int:
@@ -48,10 +50,11 @@ class ModelCosts:
   def weights_read(self, tokens: float) -> int:
     """Weight bytes a step of `tokens` new tokens reads: D_w for a dense model; a mixture
     of experts reads the experts its tokens reach (expected under uniform routing), so
-    its bytes per step grow with the batch until every expert is read."""
+    its bytes per step grow with the batch until every expert is read (expected under
+    uniform routing, or under expert_load where a run measured it)."""
     if not self.cfg.num_experts:
       return self.d_w
-    return self.cfg.weight_bytes_read_per_step(self.bytes_per_param, tokens)
+    return self.cfg.weight_bytes_read_per_step(self.bytes_per_param, tokens, self.expert_load)
 
   @property
   def ffn_bytes_per_layer(self) -> int:

@@ -21,6 +21,17 @@ from jaxinfer.model.linear import Experts, linear
 
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 
+_observer = None  # a host callable given each MoE layer call's rows per expert
+
+
+def observe_routing(fn) -> None:
+  """Have every MoE layer traced from now on report, on the host, its rows per expert
+  (an int32 array [E], a bucket's padding rows not counted) to fn at each call: a measured
+  routing histogram for a study. None: stop. Executables traced before keep what they
+  were traced with."""
+  global _observer
+  _observer = fn
+
 
 def in_place(layer: dict) -> dict:
   """A stacked layer dict with its expert matrices wrapped in `Experts` (read in place)."""
@@ -187,6 +198,8 @@ def moe_mlp(x, p, cfg: ModelConfig, act, real=None, par=None):
   with jax.named_scope("experts"):
     if real is not None:  # padding rows: expert E, sorted last, in no group
       experts = jnp.where(real[:, None], experts, cfg.num_experts)
+    if _observer is not None:
+      jax.debug.callback(_observer, jnp.bincount(experts.reshape(-1), length=cfg.num_experts))
     args = (x, weights, experts, p["experts_gate"], p["experts_up"], p["experts_down"], act,
             cfg.num_experts)
     out = _routed(*args) if par is None else _routed_parallel(*args, par)

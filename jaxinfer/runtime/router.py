@@ -1,14 +1,9 @@
 """Data parallelism: several engine replicas (each its own devices, pool and scheduler)
 behind one front with the Engine's request API (`LLM(mesh="dp:M")`, the server).
 
-Routing (where a new request goes):
-  "prefix"       the replica that has already seen the longest page-aligned prefix of
-                 the prompt (SGLang router's cache-aware policy: each replica's routed
-                 prompts are remembered as page-prefix hashes, so requests routed in the
-                 same burst land together before any of them is cached), unless the
-                 replicas' loads differ by more than `balance_threshold` requests; then
-                 the least loaded. No match: the least loaded.
-  "round_robin"  in turn.
+Routing (where a new request goes) is one of the policies of `runtime/routing.py` (the
+fleet simulator uses the same ones): prefix affinity (default), round robin, least
+outstanding tokens, power of two choices, or the smallest predicted time to first token.
 One thread owns the router and through it every replica; a step launches every replica
 that has work (JAX dispatches asynchronously, so replicas on different devices run at
 the same time) and then finishes them in order.
@@ -16,51 +11,13 @@ the same time) and then finishes them in order.
 from __future__ import annotations
 
 import collections
-import hashlib
-import itertools
 from typing import Dict, List, Optional, Sequence
-
-import numpy as np
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
+from jaxinfer.runtime import routing as routing_policies
 
-ROUTING = ("prefix", "round_robin")
-
-
-class _PrefixIndex:
-  """Hashes of the page-aligned prefixes of prompts routed to one replica (bounded, LRU)."""
-
-  def __init__(self, page_size: int, capacity: int = 1 << 20):
-    self.page_size = page_size
-    self.capacity = capacity
-    self.seen: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
-
-  def _hashes(self, ids: Sequence[int]):
-    """A chained hash per whole page of `ids` (validated token ids)."""
-    h = hashlib.blake2b(digest_size=16)
-    raw = np.asarray(ids, np.int32).tobytes()
-    step = 4 * self.page_size
-    for i in range(len(ids) // self.page_size):
-      h.update(raw[i * step:(i + 1) * step])
-      yield h.copy().digest()
-
-  def match(self, ids: Sequence[int]) -> int:
-    """Tokens of the longest routed page-aligned prefix of `ids`."""
-    n = 0
-    for d in self._hashes(ids):
-      if d not in self.seen:
-        break
-      self.seen.move_to_end(d)
-      n += self.page_size
-    return n
-
-  def insert(self, ids: Sequence[int]) -> None:
-    for d in self._hashes(ids):
-      self.seen[d] = None
-      self.seen.move_to_end(d)
-    while len(self.seen) > self.capacity:
-      self.seen.popitem(last=False)
+ROUTING = routing_policies.POLICIES
 
 
 class Router:
@@ -69,17 +26,15 @@ class Router:
   def __init__(self, replicas: Sequence, routing: str = "prefix", balance_threshold: int = 8):
     if not replicas:
       raise ValueError("a router needs at least one replica")
-    if routing not in ROUTING:
-      raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
     if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, int) or \
         balance_threshold < 0:
       raise ValueError(f"balance_threshold must be an integer >= 0, got {balance_threshold!r}")
     self.replicas = list(replicas)
+    self.policy = routing_policies.make_policy(
+        routing, [e.pm.page_size for e in self.replicas], balance_threshold)
     self.routing = routing
     self.balance_threshold = balance_threshold
     self.tokenizer = self.replicas[0].tokenizer
-    self._index = [_PrefixIndex(e.pm.page_size) for e in self.replicas]
-    self._rr = itertools.cycle(range(len(self.replicas)))
     self._next_id = 0
     self.steps: List = []  # every replica's step records, in the order they finished
     self.max_step_records = self.replicas[0].steps.max_records
@@ -102,21 +57,11 @@ class Router:
 
   def load(self, i: int) -> int:
     """Unfinished requests of replica i (running and waiting)."""
-    s = self.replicas[i].scheduler
-    return len(s.running) + len(s.waiting)
+    return routing_policies.load(self.replicas[i])
 
   def route(self, ids: Sequence[int]) -> int:
-    """The replica a request with prompt `ids` goes to (changes nothing)."""
-    n = len(self.replicas)
-    if self.routing == "round_robin":
-      return next(self._rr)
-    loads = [self.load(i) for i in range(n)]
-    least = min(range(n), key=lambda i: (loads[i], i))
-    if max(loads) - min(loads) > self.balance_threshold:
-      return least
-    hits = [self._index[i].match(ids) for i in range(n)]
-    best = max(range(n), key=lambda i: (hits[i], -loads[i], -i))
-    return best if hits[best] > 0 else least
+    """The replica a request with prompt `ids` goes to (round robin advances its turn)."""
+    return self.policy.choose(ids, self.replicas)
 
   def add_request(self, prompt_token_ids, sampling=None, *, request_id=None, **kw):
     """Validated before anything changes (the routing index hashes checked ids); an id is
@@ -131,7 +76,7 @@ class Router:
       raise ValueError(f"request id {request_id!r} is already in use")
     i = self.route(ids)
     r = self.replicas[i].add_request(ids, sampling, request_id=request_id, **kw)
-    self._index[i].insert(ids)
+    self.policy.placed(i, ids)
     self.routed[i] += 1
     return r
 

@@ -1,0 +1,35 @@
+"""experiments.fleet: replicas of the real scheduler on the cost model's clock behind the
+routing policies, under an agent-session stream and a bursty stream.
+
+  python -m experiments.fleet --config=configs/studies/fleet.py[:small]
+"""
+import ml_collections
+
+
+def get_config(mode: str = ""):
+  c = ml_collections.ConfigDict()
+  c.model = "qwen3-8b"
+  c.hardware = "rtx-pro-6000"
+  c.kv_budget_gib = 12.0  # each replica's KV pool (8.1's budget)
+  c.max_running = 64
+  c.token_budget = 8192
+  c.replicas = 8
+  c.policies = ("round_robin", "least_loaded", "power_of_two", "prefix", "slo")
+  c.seed = 0
+  # agent sessions sharing a system prompt and their own history (8.3.3-like)
+  c.sessions = ml_collections.ConfigDict(dict(
+      num_sessions=64, turns=8, rate=2.0, system_tokens=2048, user_tokens=256,
+      output_tokens=128, think_s=4.0))
+  # independent requests in bursts: gamma gaps, coefficient of variation cv
+  c.bursty = ml_collections.ConfigDict(dict(
+      num_requests=2000, rate=40.0, cv=4.0, prompt_median=1024, prompt_sigma=1.0,
+      prompt_max=8192, output_median=128, output_sigma=0.8, output_max=1024))
+  if mode == "small":
+    c.replicas = 4
+    c.sessions.num_sessions = 16
+    c.sessions.turns = 5
+    c.bursty.num_requests = 300
+    c.bursty.rate = 20.0
+  elif mode:
+    raise ValueError(f"unknown mode {mode!r}: '' or 'small'")
+  return c

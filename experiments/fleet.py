@@ -1,0 +1,147 @@
+"""Fleet simulator: R replicas, each the real Scheduler, page manager and prefix cache over
+a SimExecutor (the cost model's clock for --config.model on --config.hardware), behind
+each routing policy of jaxinfer.runtime.routing (the ones `--mesh=dp:M` uses on real
+devices), under two streams:
+  sessions  agent-like sessions sharing a system prompt and repeating their history:
+            where routing by prefix keeps a session's cache warm;
+  bursty    independent requests with gamma-distributed gaps (coefficient of variation
+            cv) and lognormal lengths: where predicted-TTFT routing avoids the replicas
+            a burst has queued up.
+
+  python -m experiments.fleet --output_dir=out/fleet
+  python -m experiments.fleet --config=configs/studies/fleet.py:small
+
+Per (stream, policy): TTFT / ITL / E2E percentiles, prefix-cache hit share of prompt
+tokens, requests per replica (imbalance: max over mean), simulated requests per
+wall-second.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List
+
+import numpy as np
+
+from experiments import streams
+from experiments.common import Progress, run_binary, write_json
+from jaxinfer.buckets import BucketTable
+from jaxinfer.plotting import pyplot, save
+
+
+def make_replicas(c, n: int) -> List:
+  """n simulated replicas of c.model on c.hardware, prefix cache on."""
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.executors.sim_executor import SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  pages = int(c.kv_budget_gib * 2**30 // (rm.costs.kv_bytes_per_token * 16))
+  out = []
+  for _ in range(n):
+    ex = SimExecutor(rm, num_pages=pages, page_size=16)
+    out.append(Engine(ex, SchedulerConfig("chunked", c.max_running, c.token_budget,
+                                          c.token_budget, cache_key=(c.model, "", "bf16")),
+                      buckets=BucketTable.default(c.token_budget, c.max_running, 4096),
+                      prefix_cache=True, max_retained_requests=64))
+  return out
+
+
+def make_stream(c, name: str) -> List:
+  if name == "sessions":
+    s = c.sessions
+    return streams.sessions(s.num_sessions, s.turns, s.rate, s.system_tokens, s.user_tokens,
+                            s.output_tokens, s.think_s, c.seed)
+  if name == "bursty":
+    b = c.bursty
+    times = streams.arrival_times("gamma", b.rate, b.num_requests, c.seed, cv=b.cv)
+    p = streams.lengths(b.num_requests, b.prompt_median, b.prompt_sigma, 16, b.prompt_max,
+                        c.seed + 1)
+    g = streams.lengths(b.num_requests, b.output_median, b.output_sigma, 1, b.output_max,
+                        c.seed + 2)
+    return streams.independent(times, p, g, c.seed)
+  raise ValueError(f"unknown stream {name!r}: 'sessions' or 'bursty'")
+
+
+def _pct(xs, q):
+  return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def summarize(reqs, fleet, wall_s: float) -> Dict:
+  done = [r for r in reqs if r.state.value == "finished"]
+  ttft = [r.ttft for r in done if r.ttft is not None]
+  itl = [x for r in done for x in r.itls]
+  e2e = [r.latency for r in done if r.latency is not None]
+  prompt = sum(len(r.prompt_token_ids) for r in reqs)
+  routed = np.asarray(fleet.routed, float)
+  return {"requests": len(reqs), "finished": len(done),
+          "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+          "itl_p50_ms": 1e3 * _pct(itl, 50) if itl else None,
+          "itl_p99_ms": 1e3 * _pct(itl, 99) if itl else None,
+          "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+          "cache_hit_share": sum(r.cached_tokens for r in reqs) / prompt if prompt else 0.0,
+          "routed": fleet.routed, "imbalance": float(routed.max() / routed.mean()),
+          "makespan_s": max(r.finished_at for r in done) if done else None,
+          "steps": fleet.steps, "wall_s": wall_s, "sim_requests_per_wall_s": len(reqs) / wall_s}
+
+
+def run_one(c, stream: str, policy: str) -> Dict:
+  from jaxinfer.runtime.fleet import Fleet
+  from jaxinfer.runtime.routing import make_policy
+  replicas = make_replicas(c, c.replicas)
+  fleet = Fleet(replicas, make_policy(policy, [16] * c.replicas, seed=c.seed))
+  arrivals = make_stream(c, stream)
+  t0 = time.perf_counter()
+  reqs = fleet.run(arrivals)
+  return dict(summarize(reqs, fleet, time.perf_counter() - t0), stream=stream, policy=policy)
+
+
+def run_study(c, output_dir: str = "") -> Dict:
+  rows = []
+  conds = [(s, p) for s in ("sessions", "bursty") for p in c.policies]
+  prog = Progress(len(conds), "fleet")
+  for s, p in conds:
+    r = run_one(c, s, p)
+    rows.append(r)
+    prog.step(f"{s} {p}: TTFT p99 {r['ttft_p99_s']:.3f} s, hits {r['cache_hit_share']:.2f}")
+  res = {"config": c.to_dict(), "rows": rows}
+  if output_dir:
+    write_json(output_dir, "fleet.json", res)
+    plot(res, os.path.join(output_dir, "fleet.png"))
+  return res
+
+
+def plot(res: Dict, path: str) -> None:
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  rows = res["rows"]
+  pols = list(dict.fromkeys(r["policy"] for r in rows))
+  x = np.arange(len(pols))
+  for ax, (stream, key, label) in zip(axes, (
+      ("sessions", "cache_hit_share", "prefix-cache share of prompt tokens"),
+      ("sessions", "ttft_p99_s", "TTFT p99 (s)"),
+      ("bursty", "ttft_p99_s", "TTFT p99 (s)"))):
+    vals = [next(r[key] for r in rows if r["stream"] == stream and r["policy"] == p)
+            for p in pols]
+    ax.bar(x, vals, color="tab:blue" if stream == "sessions" else "tab:orange")
+    ax.set_xticks(x, pols, rotation=20, fontsize=8)
+    ax.set_title(f"{stream}: {label}", fontsize=9)
+  c = res["config"]
+  fig.suptitle(f"{c['replicas']} simulated replicas of {c['model']} on {c['hardware']}",
+               fontsize=10)
+  save(fig, path)
+
+
+def print_table(res: Dict) -> None:
+  c = res["config"]
+  print(f"{c['replicas']} replicas of {c['model']} on {c['hardware']} (simulated)")
+  print(f"{'stream':>9} {'policy':>13} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99 ms':>11} "
+        f"{'E2E p99':>8} {'hits':>5} {'imbal':>6} {'req/wall-s':>11}")
+  for r in res["rows"]:
+    print(f"{r['stream']:>9} {r['policy']:>13} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
+          f"{r['itl_p99_ms']:>11.1f} {r['e2e_p99_s']:>8.2f} {r['cache_hit_share']:>5.2f} "
+          f"{r['imbalance']:>6.2f} {r['sim_requests_per_wall_s']:>11.0f}")
+
+
+if __name__ == "__main__":
+  run_binary("fleet", run_study, print_table)

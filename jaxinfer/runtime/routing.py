@@ -1,0 +1,184 @@
+"""Routing policies: which replica a new request goes to. One class per policy, used by the
+data-parallel `Router` over real replicas and by the fleet simulator over simulated ones
+(both hold `Engine`s, so a policy reads the same state either way).
+
+  round_robin    in turn.
+  least_loaded   the fewest outstanding tokens (prompt tokens not yet computed plus output
+                 tokens not yet generated, over running and waiting requests).
+  power_of_two   two replicas drawn at random (seeded), the one with fewer outstanding
+                 tokens (Mitzenmacher's two choices: nearly least-loaded at O(1) reads).
+  prefix         the replica that already saw the longest page-aligned prefix of the
+                 prompt (each replica's routed prompts remembered as chained page hashes,
+                 so a burst of requests sharing a prefix lands together before any is
+                 cached), unless the replicas' loads differ by more than
+                 `balance_threshold` requests: then, or with no match, the least loaded.
+  slo            the smallest predicted time to the request's first token on the
+                 replica: its scheduler's prefill backlog ahead of the request plus the
+                 request's own prompt, each step also carrying the running decodes, on
+                 the scheduler's step model (8.6.1); without a step model, outstanding
+                 tokens stand in for time.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "power_of_two", "slo")
+
+
+def load(engine) -> int:
+  """Unfinished requests of a replica (running and waiting)."""
+  s = engine.scheduler
+  return len(s.running) + len(s.waiting)
+
+
+def outstanding_tokens(engine) -> int:
+  """Work a replica holds: prompt tokens not yet computed and output tokens not yet
+  generated, over its running and waiting requests."""
+  s = engine.scheduler
+  return sum(r.num_pending + max(r.sampling.max_tokens - len(r.output_token_ids), 0)
+             for r in list(s.running) + list(s.waiting))
+
+
+class PrefixIndex:
+  """Hashes of the page-aligned prefixes of prompts routed to one replica (bounded, LRU)."""
+
+  def __init__(self, page_size: int, capacity: int = 1 << 20):
+    self.page_size = page_size
+    self.capacity = capacity
+    self.seen: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+
+  def _hashes(self, ids: Sequence[int]):
+    """A chained hash per whole page of `ids` (validated token ids)."""
+    h = hashlib.blake2b(digest_size=16)
+    raw = np.asarray(ids, np.int32).tobytes()
+    step = 4 * self.page_size
+    for i in range(len(ids) // self.page_size):
+      h.update(raw[i * step:(i + 1) * step])
+      yield h.copy().digest()
+
+  def match(self, ids: Sequence[int]) -> int:
+    """Tokens of the longest routed page-aligned prefix of `ids`."""
+    n = 0
+    for d in self._hashes(ids):
+      if d not in self.seen:
+        break
+      self.seen.move_to_end(d)
+      n += self.page_size
+    return n
+
+  def insert(self, ids: Sequence[int]) -> None:
+    for d in self._hashes(ids):
+      self.seen[d] = None
+      self.seen.move_to_end(d)
+    while len(self.seen) > self.capacity:
+      self.seen.popitem(last=False)
+
+
+class RoutingPolicy:
+  """choose(ids, replicas) -> index; placed(i, ids) after the request lands on replica i."""
+  name = ""
+
+  def choose(self, ids: Sequence[int], replicas: Sequence) -> int:
+    raise NotImplementedError
+
+  def placed(self, i: int, ids: Sequence[int]) -> None:
+    pass
+
+
+class RoundRobin(RoutingPolicy):
+  name = "round_robin"
+
+  def __init__(self, n: int):
+    self._next = itertools.cycle(range(n))
+
+  def choose(self, ids, replicas):
+    return next(self._next)
+
+
+class LeastLoaded(RoutingPolicy):
+  name = "least_loaded"
+
+  def choose(self, ids, replicas):
+    work = [outstanding_tokens(e) for e in replicas]
+    return min(range(len(replicas)), key=lambda i: (work[i], i))
+
+
+class PowerOfTwo(RoutingPolicy):
+  name = "power_of_two"
+
+  def __init__(self, seed: int = 0):
+    self._rng = np.random.default_rng(seed)
+
+  def choose(self, ids, replicas):
+    if len(replicas) == 1:
+      return 0
+    a, b = (int(x) for x in self._rng.choice(len(replicas), 2, replace=False))
+    return min((a, b), key=lambda i: (outstanding_tokens(replicas[i]), i))
+
+
+class PrefixAffinity(RoutingPolicy):
+  name = "prefix"
+
+  def __init__(self, page_sizes: Sequence[int], balance_threshold: int = 8):
+    self.index = [PrefixIndex(p) for p in page_sizes]
+    self.balance_threshold = balance_threshold
+
+  def choose(self, ids, replicas):
+    n = len(replicas)
+    loads = [load(e) for e in replicas]
+    least = min(range(n), key=lambda i: (loads[i], i))
+    if max(loads) - min(loads) > self.balance_threshold:
+      return least
+    hits = [self.index[i].match(ids) for i in range(n)]
+    best = max(range(n), key=lambda i: (hits[i], -loads[i], -i))
+    return best if hits[best] > 0 else least
+
+  def placed(self, i, ids):
+    self.index[i].insert(ids)
+
+
+class SloAware(RoutingPolicy):
+  name = "slo"
+
+  def choose(self, ids, replicas):
+    est = [predicted_first_token_s(e, len(ids)) for e in replicas]
+    return min(range(len(replicas)), key=lambda i: (est[i], i))
+
+
+def predicted_first_token_s(engine, prompt_tokens: int) -> float:
+  """Seconds until a request of `prompt_tokens` new prompt tokens would get its first
+  token on this replica, routed now: the prompt backlog ahead of it (running and waiting
+  requests' uncomputed prompt tokens) and its own prompt through steps of at most the
+  token budget, each also carrying the running decodes, on the scheduler's step model.
+  Without a step model: the outstanding tokens (a unit of work per token)."""
+  s = engine.scheduler
+  model = s.step_model
+  if model is None:
+    return float(outstanding_tokens(engine) + prompt_tokens)
+  cfg = s.config
+  budget = cfg.token_budget if cfg.policy == "chunked" else 1 << 30
+  decodes = [(1, r.num_tokens) for r in s.running if r.num_pending <= 1]
+  ahead = sum(r.num_pending for r in list(s.running) + list(s.waiting)
+              if r.num_pending > 1) + prompt_tokens
+  t, done = 0.0, 0
+  while done < ahead:
+    n = min(ahead - done, budget)
+    t += model.step_time([(n, 0)] + decodes)
+    done += n
+  return t
+
+
+def make_policy(name: str, page_sizes: Sequence[int], balance_threshold: int = 8,
+                seed: int = 0) -> RoutingPolicy:
+  """The policy `name` (one of POLICIES) over replicas with these page sizes."""
+  if name not in POLICIES:
+    raise ValueError(f"routing must be one of {POLICIES}, got {name!r}")
+  n = len(page_sizes)
+  return {"prefix": lambda: PrefixAffinity(page_sizes, balance_threshold),
+          "round_robin": lambda: RoundRobin(n), "least_loaded": LeastLoaded,
+          "power_of_two": lambda: PowerOfTwo(seed), "slo": SloAware}[name]()
