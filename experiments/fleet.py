@@ -89,7 +89,8 @@ def run_one(c, stream: str, policy: str) -> Dict:
   from jaxinfer.runtime.fleet import Fleet
   from jaxinfer.runtime.routing import make_policy
   replicas = make_replicas(c, c.replicas)
-  fleet = Fleet(replicas, make_policy(policy, [16] * c.replicas, seed=c.seed))
+  fleet = Fleet(replicas, make_policy(policy, [16] * c.replicas, c.balance_threshold,
+                                      seed=c.seed))
   arrivals = make_stream(c, stream)
   t0 = time.perf_counter()
   reqs = fleet.run(arrivals)
@@ -119,7 +120,7 @@ def plot(res: Dict, path: str) -> None:
   x = np.arange(len(pols))
   for ax, (stream, key, label) in zip(axes, (
       ("sessions", "cache_hit_share", "prefix-cache share of prompt tokens"),
-      ("sessions", "ttft_p99_s", "TTFT p99 (s)"),
+      ("sessions", "ttft_p50_s", "TTFT p50 (s)"),
       ("bursty", "ttft_p99_s", "TTFT p99 (s)"))):
     vals = [next(r[key] for r in rows if r["stream"] == stream and r["policy"] == p)
             for p in pols]

@@ -15,6 +15,7 @@ def get_config(mode: str = ""):
   c.token_budget = 8192
   c.replicas = 8
   c.policies = ("round_robin", "least_loaded", "power_of_two", "prefix", "slo")
+  c.balance_threshold = 2  # prefix: loads (requests) further apart than this go least-loaded
   c.seed = 0
   # agent sessions sharing a system prompt and their own history (8.3.3-like)
   c.sessions = ml_collections.ConfigDict(dict(

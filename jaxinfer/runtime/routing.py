@@ -152,10 +152,13 @@ class SloAware(RoutingPolicy):
 
 def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   """Seconds until a request of `prompt_tokens` new prompt tokens would get its first
-  token on this replica, routed now: the prompt backlog ahead of it (running and waiting
-  requests' uncomputed prompt tokens) and its own prompt through steps of at most the
-  token budget, each also carrying the running decodes, on the scheduler's step model.
-  Without a step model: the outstanding tokens (a unit of work per token)."""
+  token on this replica, routed now, on the scheduler's step model: (1) a slot: when the
+  replica runs its most requests and others wait, it waits for as many running requests
+  to finish (the ones with the fewest outputs left, one decode round per output);
+  (2) the prompt backlog ahead of it (running and waiting requests' uncomputed prompt
+  tokens) and its own prompt, through steps of at most the token budget, each also
+  carrying the running decodes. Without a step model: the outstanding tokens (a unit of
+  work per token)."""
   s = engine.scheduler
   model = s.step_model
   if model is None:
@@ -163,9 +166,14 @@ def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   cfg = s.config
   budget = cfg.token_budget if cfg.policy == "chunked" else 1 << 30
   decodes = [(1, r.num_tokens) for r in s.running if r.num_pending <= 1]
+  t = 0.0
+  behind = len(s.waiting) + 1 - (cfg.max_running - len(s.running))
+  if behind > 0 and s.running:  # wait for that many running requests to finish
+    left = sorted(max(r.sampling.max_tokens - len(r.output_token_ids), 1) for r in s.running)
+    t += left[min(behind, len(left)) - 1] * model.step_time(decodes or [(1, 1)])
   ahead = sum(r.num_pending for r in list(s.running) + list(s.waiting)
               if r.num_pending > 1) + prompt_tokens
-  t, done = 0.0, 0
+  done = 0
   while done < ahead:
     n = min(ahead - done, budget)
     t += model.step_time([(n, 0)] + decodes)

@@ -1,0 +1,91 @@
+"""The fleet simulator (jaxinfer/runtime/fleet.py, experiments/fleet.py): one replica
+equals one engine given the same stream up front; routing policies over simulated
+replicas; the request streams and trace readers."""
+import json
+
+import numpy as np
+import pytest
+
+from experiments import streams
+
+
+def _config(**kw):
+  from configs.studies.fleet import get_config
+  c = get_config("small")
+  c.update(kw)
+  return c
+
+
+def test_one_replica_fleet_equals_one_engine():
+  """A fleet of one replica, handed each request at its arrival, gives every request the
+  same token times as one engine holding the whole stream from the start (the engine
+  admits a request only once its arrival time has come)."""
+  from experiments.fleet import make_replicas, make_stream
+  from jaxinfer.runtime.fleet import Fleet
+  from jaxinfer.runtime.routing import make_policy
+  c = _config()
+  c.bursty.num_requests = 60
+  arrivals = make_stream(c, "bursty")
+  got = Fleet(make_replicas(c, 1), make_policy("round_robin", [16])).run(arrivals)
+  eng = make_replicas(c, 1)[0]
+  want = [eng.add_request(list(a.prompt_token_ids), a.sampling, arrival_time=a.time)
+          for a in arrivals]
+  eng.run()
+  assert len(got) == len(want) == 60
+  for g, w in zip(got, want):
+    assert g.token_times == pytest.approx(w.token_times, abs=1e-9)
+    assert g.finished_at == pytest.approx(w.finished_at, abs=1e-9)
+
+
+def test_prefix_routing_keeps_sessions_warm():
+  """Agent sessions over 4 simulated replicas: prefix affinity serves more prompt tokens
+  from the prefix cache than round robin and gets first tokens sooner at the median."""
+  from experiments.fleet import run_one
+  c = _config()
+  rr, prefix = run_one(c, "sessions", "round_robin"), run_one(c, "sessions", "prefix")
+  assert prefix["cache_hit_share"] > rr["cache_hit_share"] + 0.03, (prefix, rr)
+  assert prefix["ttft_p50_s"] < rr["ttft_p50_s"]
+  assert sum(prefix["routed"]) == prefix["requests"] == c.sessions.num_sessions * \
+      c.sessions.turns
+  assert prefix["finished"] == prefix["requests"]
+
+
+def test_streams_and_traces(tmp_path):
+  """Arrival processes keep their mean rate (gamma with cv 4 burstier than Poisson);
+  sessions repeat their history; the Azure, BurstGPT and JSONL layouts read as they are."""
+  for proc in streams.PROCESSES:
+    t = streams.arrival_times(proc, 10.0, 4000, seed=1, cv=4.0)
+    assert t[0] == 0 and np.all(np.diff(t) >= 0)
+    assert 4000 / t[-1] == pytest.approx(10.0, rel=0.15), proc
+  gaps = {p: np.diff(streams.arrival_times(p, 10.0, 4000, seed=1, cv=4.0))
+          for p in ("poisson", "gamma")}
+  assert np.std(gaps["gamma"]) > 2.5 * np.std(gaps["poisson"])
+  s = streams.sessions(3, 3, 1.0, 32, 8, 4, 2.0, seed=0)
+  turns = [a for a in s if a.session == 0]
+  assert len(s) == 9 and [len(a.prompt_token_ids) for a in turns] == [40, 52, 64]
+  assert turns[2].prompt_token_ids[:52] == turns[1].prompt_token_ids  # history repeated
+  other = next(a for a in s if a.session == 1)
+  assert other.prompt_token_ids[:32] == turns[0].prompt_token_ids[:32]  # one system prompt
+  assert other.prompt_token_ids[32:40] != turns[0].prompt_token_ids[32:40]
+  azure = tmp_path / "azure.csv"
+  azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.1805900,396,109\n")
+  a = streams.read_trace(str(azure))
+  assert [x.time for x in a] == pytest.approx([0.0, 3.5])
+  assert [len(x.prompt_token_ids) for x in a] == [374, 396]
+  assert [x.sampling.max_tokens for x in a] == [44, 109]
+  burst = tmp_path / "burst.csv"
+  burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                   "5,ChatGPT,472,18,490,Conversation log\n2,GPT-4,1087,10,1097,API log\n")
+  b = streams.read_trace(str(burst))
+  assert [x.time for x in b] == [0.0, 3.0] and len(b[0].prompt_token_ids) == 1087
+  jl = tmp_path / "t.jsonl"
+  jl.write_text("\n".join(json.dumps(d) for d in (
+      {"time": 1.0, "input_tokens": 5, "output_tokens": 2, "session_id": 7},
+      {"arrival_time": 0.5, "input_tokens": 3, "output_tokens": 1})))
+  j = streams.read_trace(str(jl))
+  assert [x.time for x in j] == [0.0, 0.5] and j[1].session == 7
+  with pytest.raises(ValueError, match="columns"):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    streams.read_trace(str(bad))
