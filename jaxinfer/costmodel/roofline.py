@@ -9,6 +9,7 @@ plugs into the SimExecutor as its StepTimeModel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -95,12 +96,14 @@ class ModelCosts:
     per_layer = cfg.attention_flops_per_pair() / cfg.num_layers
     cap = 3 * cfg.num_heads if cfg.attn_softcap else 0
     total = 0.0
-    for window, layers in self._window_groups():
+    for window, layers in self._window_groups:
       total += layers * (per_layer + cap) * sum(chunk_pairs(c, h, window) for c, h in seqs)
     return total
 
+  @functools.cached_property
   def _window_groups(self):
-    """(window, number of layers with it), 0 for full attention."""
+    """(window, number of layers with it), 0 for full attention (computed once: the
+    simulator asks at every step)."""
     ws = self.cfg.windows
     return [(w, ws.count(w)) for w in sorted(set(ws))]
 
@@ -108,7 +111,7 @@ class ModelCosts:
     """Tokens of K/V a step reads for one request at `context`, averaged over layers: a
     windowed layer reads at most its window (8.2.1's L k, with L per layer)."""
     return sum(n * (min(context, w) if w else context)
-               for w, n in self._window_groups()) / self.cfg.num_layers
+               for w, n in self._window_groups) / self.cfg.num_layers
 
   def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                  sharing: Optional[int] = None) -> float:

@@ -39,6 +39,7 @@ class SeqPages:
   reserved: int = 0  # pages promised to this sequence, not yet taken from the free list
   released: int = 0  # leading pages released (HOLE in `pages`)
   bound: int = 0  # most pages held + reserved at once (a sliding window's bound; 0: none)
+  last_read: int = -1  # the last launched step that read this sequence's pages
 
 
 # A page-table entry whose page was released: every token in it lies behind the model's
@@ -147,7 +148,7 @@ class PageManager:
       if p != HOLE:
         self._incref(p)
     self._seqs[dst_id] = SeqPages(pages=list(src.pages), num_tokens=src.num_tokens,
-                                  released=src.released)
+                                  released=src.released, last_read=src.last_read)
 
   def release_before(self, seq_id, first_needed: int) -> int:
     """Release the pages whose every token lies before position `first_needed` (behind a
@@ -158,7 +159,7 @@ class PageManager:
     n = freed = 0
     for j in range(s.released, upto):
       p = s.pages[j]
-      self._decref(p)
+      self._drop(s, p)
       freed += p in self._free  # not still read by a step in flight, nor cached
       s.pages[j] = HOLE
       n += 1
@@ -193,7 +194,7 @@ class PageManager:
       old = s.pages[tail]
       new = self._take(s.pages[tail - 1] if tail > 0 else None)
       s.pages[tail] = new
-      self._decref(old)
+      self._drop(s, old)
       copies.append((old, new))
       self.num_cow_copies += 1
     for _ in range(new_pages):
@@ -210,7 +211,7 @@ class PageManager:
     keep = self.pages_for(new_num_tokens)
     for p in s.pages[keep:]:
       if p != HOLE:
-        self._decref(p)
+        self._drop(s, p)
     del s.pages[keep:]
     s.released = min(s.released, len(s.pages))
     s.num_tokens = new_num_tokens
@@ -221,7 +222,7 @@ class PageManager:
     s = self._seqs.pop(seq_id)
     for p in s.pages:
       if p != HOLE:
-        self._decref(p)
+        self._drop(s, p)
     self._reserved_total -= s.reserved
 
   def unreserve(self, seq_id) -> None:
@@ -252,10 +253,8 @@ class PageManager:
     """Number the next launched step and record that it reads the pages of seq_ids."""
     step = self._next_step
     self._next_step += 1
-    for sid in seq_ids:
-      for p in self._seqs[sid].pages:
-        if p != HOLE:
-          self._last_read[p] = step
+    for sid in seq_ids:  # per sequence: its pages take the step when it drops them
+      self._seqs[sid].last_read = step
     return step
 
   def note_reads(self, step: int, pages: Iterable[int]) -> None:
@@ -292,6 +291,12 @@ class PageManager:
   def _incref(self, p: int) -> None:
     assert self._refs[p] > 0, f"incref of unowned page {p}"
     self._refs[p] += 1
+
+  def _drop(self, s: SeqPages, p: int) -> None:
+    """Sequence s lets go of page p: p was read by every step s was in (begin_step)."""
+    if s.last_read > self._last_read[p]:
+      self._last_read[p] = s.last_read
+    self._decref(p)
 
   def _decref(self, p: int) -> None:
     assert self._refs[p] > 0, f"double free of page {p}"

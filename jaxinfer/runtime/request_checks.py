@@ -7,6 +7,8 @@ import numbers
 import threading
 from typing import List
 
+import numpy as np
+
 from jaxinfer.config import SamplingParams
 
 
@@ -64,8 +66,14 @@ class RequestChecks:
     if isinstance(prompt_token_ids, (str, bytes)):
       raise ValueError("prompt_token_ids must be a sequence of token ids, not text "
                        "(encode it with the tokenizer, or use LLM.generate)")
-    ids = []
     hi = self.engine.executor.vocab_size
+    arr = np.asarray(prompt_token_ids) if isinstance(
+        prompt_token_ids, (list, tuple, np.ndarray)) else None
+    if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and arr.size and \
+        arr.min() >= 0 and (hi is None or arr.max() < hi):
+      return arr.tolist()  # integers in range: checked at once (the loop below names the
+      # first offending entry otherwise)
+    ids = []
     for i, t in enumerate(prompt_token_ids):
       if isinstance(t, bool) or not isinstance(t, numbers.Integral):
         raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
