@@ -80,8 +80,12 @@ def simulate_variant(v: Dict, sc: Dict, c) -> Dict:
   page_bytes = rm.costs.kv_bytes_per_token * c.page_size
   pool_bytes = sc["kv_budget_gib"] * 2**30 - v.get("extra_memory_mib", 0.0) * MIB
   num_pages = int(pool_bytes // page_bytes)
+  # a whole number of tokens per round: exactly that many every round, as the planner
+  # counts them; a fraction: drafts accepted at random with the acceptance giving it
+  exact = int(tpr) - 1 if m and float(tpr).is_integer() else None
   ex = SimExecutor(model, num_pages=num_pages, page_size=c.page_size,
-                   acceptance=acceptance_for(tpr, m) if m else 0.0, seed=c.seed, token_id=1)
+                   acceptance=acceptance_for(tpr, m) if m else 0.0, seed=c.seed, token_id=1,
+                   accepted_per_round=exact)
   share = bool(v.get("share_prefix", False))
   eng = Engine(ex, SchedulerConfig("chunked", sc["num_requests"], c.token_budget,
                                    c.token_budget, cache_key=(sc["model"], "", fmt)),

@@ -124,11 +124,14 @@ def run_study(c, output_dir: str = "") -> dict:
     twin = dense_twin(cfg)
     res[where] = {"moe": cfg.name, "dense": twin.name,
                   "active_params": cfg.active_param_count(), "total_params": cfg.param_count(),
-                  "dense_params": twin.param_count()}
-    for kind, m in (("moe_rows", cfg), ("dense_rows", twin)):
-      res[where][kind] = (sim_curve(m, c.sim_hardware, c.sim_context, c.sim_batches)
-                          if where == "sim" else
-                          real_curve(m, list(c.batches), c.prompt_len, c.output_tokens))
+                  "dense_params": twin.param_count(), "moe_rows": [], "dense_rows": []}
+    if where == "sim":
+      for kind, m in (("moe_rows", cfg), ("dense_rows", twin)):
+        res[where][kind] = sim_curve(m, c.sim_hardware, c.sim_context, c.sim_batches)
+      continue
+    for B in c.batches:  # the two models alternate batch by batch (the machine drifts)
+      for kind, m in (("moe_rows", cfg), ("dense_rows", twin)):
+        res[where][kind] += real_curve(m, [B], c.prompt_len, c.output_tokens)
   if output_dir:
     write_json(output_dir, "moe_batching.json", res)
     plot(res, os.path.join(output_dir, "moe_batching.png"))

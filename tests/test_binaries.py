@@ -200,7 +200,10 @@ def test_config_select_small(tmp_path):
   sims = {s["name"]: s for s in d["simulated"]}
   assert sims["B"]["good"] < 16 and sims["D"]["good"] == 16 and sims["E"]["good"] == 16
   assert sims["D"]["peak_kv_mib"] > sims["B"]["peak_kv_mib"] + 3000
-  assert 2.5 < sims["D"]["tokens_per_round"] < 3.5
+  assert sims["D"]["tokens_per_round"] == 3.0  # the variant's stated 3 tokens per round
+  plan = {p["name"]: p for p in d["planned"]}
+  for name, s in sims.items():  # simulator = planner: the last request's finish
+    assert s["completion_s"][-1] == pytest.approx(plan[name]["total_s"], rel=0.01), name
   assert (tmp_path / "config_select_12GiB-256_D.png").exists()
 
 

@@ -67,10 +67,13 @@ class SimExecutor:
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,
                token_id: int = 0, acceptance: float = 0.0, seed: int = 0,
+               accepted_per_round: Optional[int] = None,
                pad_to_buckets: bool = False, compile_s: float = 0.0,
                lora_adapters=None, max_loras: int = 0, lora_cost=None):
     """acceptance: probability that each drafted position is accepted (8.5.2 model of
-    independent positions); drafts are verified against it.
+    independent positions); drafts are verified against it. accepted_per_round instead:
+    exactly the first that many drafts of every round are accepted (a drafter with a
+    stated number of tokens per round, as 8.6.3's variants give it).
     pad_to_buckets: charge each step at its bucket's token count, the padding tokens as
     one-token requests with no context (8.2.4: 17-32 rows run the 32-row graph);
     compile_s: seconds charged the first time a bucket shape runs (a compile, as the real
@@ -84,7 +87,10 @@ class SimExecutor:
     self.pad_to_buckets = pad_to_buckets
     self.compile_s = compile_s
     self.compiled = set()  # bucket shapes run so far
+    if accepted_per_round is not None and accepted_per_round < 0:
+      raise ValueError(f"accepted_per_round must be >= 0, got {accepted_per_round}")
     self.acceptance = acceptance
+    self.accepted_per_round = accepted_per_round
     self._rng = np.random.default_rng(seed)
     self.num_pages = num_pages
     self.page_size = page_size
@@ -127,7 +133,10 @@ class SimExecutor:
     ids, accepted = [], []
     for s in plan.seqs:
       for j in range(s.num_logits):
-        acc = j < len(s.draft) and self._rng.random() < self.acceptance
+        if self.accepted_per_round is not None:
+          acc = j < min(len(s.draft), self.accepted_per_round)
+        else:
+          acc = j < len(s.draft) and self._rng.random() < self.acceptance
         ids.append(s.draft[j] if acc else self.token_id)
         accepted.append(acc)
     if self.lora_cost is not None:
