@@ -133,10 +133,12 @@ def cmd_batch():
   rows = []
   for b in (int(x) for x in FLAGS.batches):
     d_w = c.weights_read(b)  # a mixture of experts reads the experts b tokens reach
+    br = rm.breakdown([(1, FLAGS.context)] * b)
     row = {"batch": b, "bytes_per_round": F.bytes_per_round(d_w, b, L, k),
            "bytes_per_output_token": F.bytes_per_output_token(d_w, b, L, k),
            "bytes_per_output_token_rom": F.bytes_per_output_token(d_w, b, L, k, True),
-           "round_ms": 1e3 * rm.decode_round(b, FLAGS.context)}
+           "round_ms": 1e3 * rm.decode_round(b, FLAGS.context), "round_flops": br["flops"],
+           "mbu": br["mbu"], "mfu": br["mfu"], "bound": br["bound"]}
     if c.cfg.num_experts:
       row.update(experts_touched=c.cfg.expected_experts_touched(b), weights_read=d_w)
     rows.append(row)
@@ -272,11 +274,14 @@ def cmd_rates():
   ctx = L + G // 2  # the mean context over the decode
   rnd = rm.decode_round(B, ctx, P)
   r_p, r_d = B * (L - P) / prefill, B / rnd
+  phases = {name: rm.breakdown(seqs, P) for name, seqs in (
+      ("prefill", [(L - P, P)] * B), ("decode_round", [(1, ctx)] * B))}
   return {"batch": B, "input_tokens": L, "cached_prefix": P, "output_tokens": G,
           "prefill_s": prefill, "decode_round_ms": 1e3 * rnd, "mean_context": ctx,
           "r_prefill_tok_s": r_p, "r_decode_calls_s": r_d,
           "t_gpu_s": (L - P) / r_p + (G - 1) / r_d,
-          "request_s": prefill + (G - 1) * rnd}
+          "request_s": prefill + (G - 1) * rnd,
+          "phases": [dict(phase=k, **v) for k, v in phases.items()]}
 
 
 # 8.4.1: weight formats as (bytes per block, values per block); GGML's block layouts.

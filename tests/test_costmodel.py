@@ -222,3 +222,18 @@ def test_tensor_parallel_step_model():
     RooflineStepModel.for_names("qwen3-8b", "h200-sxm", tp=3)
   with pytest.raises(ValueError, match="no device-to-device link"):
     RooflineStepModel.for_names("qwen3-8b", "m2-max", tp=2)
+
+
+def test_breakdown_itemises_the_step_time():
+  """The planner's FLOPs / bytes / MFU / MBU per phase are the ones its step time uses:
+  compute = FLOPs / (P x MFU), memory = bytes / (beta x MBU), the time their max; 8.6.3's
+  prefill is compute-bound, its decode round memory-bound."""
+  from jaxinfer.costmodel import RooflineStepModel
+  rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000")
+  for seqs, bound in (([(2048, 6144)] * 16, "compute"), ([(1, 8320)] * 16, "memory")):
+    b = rm.breakdown(seqs, 6144)
+    assert b["bound"] == bound
+    assert b["compute_s"] == pytest.approx(b["flops"] / (rm.hw.peak_flops * b["mfu"]))
+    assert b["memory_s"] == pytest.approx(b["bytes"] / (rm.hw.bandwidth * b["mbu"]))
+    assert b["time_s"] == pytest.approx(max(b["compute_s"], b["memory_s"]))
+    assert b["time_s"] == rm.step_time(seqs, 6144)

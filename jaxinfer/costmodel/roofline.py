@@ -258,6 +258,23 @@ class RooflineStepModel:
     return max(self.compute_time(seqs, logits_rows),
                self.memory_time(seqs, shared_tokens, sharing)) + self.comm_time(seqs)
 
+  def breakdown(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
+                sharing: Optional[int] = None) -> dict:
+    """What step_time computes, itemised (per device under tensor parallelism): the
+    step's FLOPs and bytes, the MFU and MBU the calibration gives them, the compute,
+    memory and communication times, and which bound the step (8.6.3's MFU / MBU)."""
+    flops = self.costs.step_flops(seqs) / self.tp
+    nbytes = self.costs.step_bytes(seqs, shared_tokens, sharing) / self.tp
+    ctx = sum(c + h for c, h in seqs)
+    mfu = self.calib.mfu_at(flops, sum(h for _, h in seqs) / ctx if ctx else 0.0) \
+        if self.calib else 1.0
+    mbu = self.calib.mbu_at(nbytes) if self.calib else 1.0
+    compute, memory = self.compute_time(seqs), self.memory_time(seqs, shared_tokens, sharing)
+    return {"flops": flops, "bytes": nbytes, "mfu": mfu, "mbu": mbu, "compute_s": compute,
+            "memory_s": memory, "comm_s": self.comm_time(seqs),
+            "bound": "compute" if compute >= memory else "memory",
+            "time_s": self.step_time(seqs, shared_tokens, sharing)}
+
   # 8.6.3 rates
   def decode_round(self, batch: int, context: int, shared_tokens: int = 0) -> float:
     return self.step_time([(1, context)] * batch, shared_tokens)

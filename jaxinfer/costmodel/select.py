@@ -32,6 +32,16 @@ class VariantResult:
   meets_deadline: bool
   gpu_s_per_good: float
   joules_per_good: float
+  # what the times rest on (8.6.3): FLOPs, bytes, MFU and MBU of the prefill step and of
+  # a decode round at the mean context, and which bound each
+  prefill_flops: float = 0.0
+  prefill_bytes: float = 0.0
+  prefill_mfu: float = 0.0
+  prefill_bound: str = ""
+  round_flops: float = 0.0
+  round_bytes: float = 0.0
+  round_mbu: float = 0.0
+  round_bound: str = ""
 
 
 def evaluate(variant: Dict, *, model: str, hardware: str, input_tokens: int, shared_prefix: int,
@@ -60,8 +70,12 @@ def evaluate(variant: Dict, *, model: str, hardware: str, input_tokens: int, sha
   good = num_requests if (fits and meets) else 0
   gpu_s = total / good if good else math.inf
   watts = hw.power_w or 0.0
+  pre = rm.breakdown([(input_tokens - shared, shared)] * num_requests, shared, None)
+  rnd = rm.breakdown([(1, ctx)] * num_requests, shared, None)
   return VariantResult(variant["name"], variant.get("label", ""), kv_mib, prefill, 1e3 * round_s,
-                       rounds, total, fits, meets, gpu_s, gpu_s * watts if good else math.inf)
+                       rounds, total, fits, meets, gpu_s, gpu_s * watts if good else math.inf,
+                       pre["flops"], pre["bytes"], pre["mfu"], pre["bound"], rnd["flops"],
+                       rnd["bytes"], rnd["mbu"], rnd["bound"])
 
 
 def select(config_path: Optional[str] = None, *, output_tokens: int = 256,
