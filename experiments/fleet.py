@@ -89,23 +89,63 @@ def run_one(c, stream: str, policy: str) -> Dict:
   from jaxinfer.runtime.fleet import Fleet
   from jaxinfer.runtime.routing import make_policy
   replicas = make_replicas(c, c.replicas)
-  fleet = Fleet(replicas, make_policy(policy, [16] * c.replicas, c.balance_threshold,
-                                      seed=c.seed))
+  fleet = Fleet(replicas, make_policy(policy, c.balance_threshold, seed=c.seed))
   arrivals = make_stream(c, stream)
   t0 = time.perf_counter()
   reqs = fleet.run(arrivals)
   return dict(summarize(reqs, fleet, time.perf_counter() - t0), stream=stream, policy=policy)
 
 
+def run_autoscale(c, scaled: bool) -> Dict:
+  """The diurnal stream on a fixed fleet of max_replicas, or autoscaled between
+  min_replicas and max_replicas (cold start: the weights over the host link + warm-up)."""
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.runtime.fleet import Autoscaler, Fleet, cold_start_s
+  from jaxinfer.runtime.routing import make_policy
+  a = c.autoscale
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  cold = cold_start_s(rm.costs.weight_bytes, rm.hw.link_bandwidth, a.warmup_s)
+  times = streams.arrival_times("diurnal", a.rate, a.num_requests, c.seed,
+                                amplitude=a.amplitude, period_s=a.period_s)
+  p = streams.lengths(a.num_requests, a.prompt_median, 1.0, 16, 8192, c.seed + 1)
+  g = streams.lengths(a.num_requests, a.output_median, 0.8, 1, 1024, c.seed + 2)
+  arrivals = streams.independent(times, p, g, c.seed)
+  policy = make_policy(a.policy, c.balance_threshold, seed=c.seed)
+  if scaled:
+    scaler = Autoscaler(a.min_replicas, a.max_replicas, a.target_load, a.down_fraction, cold)
+    fleet = Fleet(make_replicas(c, a.min_replicas), policy, scaler,
+                  lambda: make_replicas(c, 1)[0])
+  else:
+    fleet = Fleet(make_replicas(c, a.max_replicas), policy)
+  t0 = time.perf_counter()
+  reqs = fleet.run(arrivals)
+  out = summarize(reqs, fleet, time.perf_counter() - t0)
+  end = out["makespan_s"]
+  hours = fleet.replica_seconds(end) / 3600
+  good = sum(r.state.value == "finished" and r.ttft is not None and r.ttft <= c.slo_ttft_s
+             for r in reqs)
+  out.update(mode="autoscaled" if scaled else "fixed", replica_hours=hours, good=good,
+             goodput_per_replica_hour=good / hours if hours else None,
+             cost_per_1k_good=1000 * hours * c.gpu_hour_price / good if good else None,
+             cold_start_s=cold, timeline=fleet.timeline)
+  return out
+
+
 def run_study(c, output_dir: str = "") -> Dict:
   rows = []
   conds = [(s, p) for s in ("sessions", "bursty") for p in c.policies]
-  prog = Progress(len(conds), "fleet")
+  prog = Progress(len(conds) + 2, "fleet")
   for s, p in conds:
     r = run_one(c, s, p)
     rows.append(r)
     prog.step(f"{s} {p}: TTFT p99 {r['ttft_p99_s']:.3f} s, hits {r['cache_hit_share']:.2f}")
-  res = {"config": c.to_dict(), "rows": rows}
+  scaling = []
+  for scaled in (False, True):
+    r = run_autoscale(c, scaled)
+    scaling.append(r)
+    prog.step(f"{r['mode']}: {r['replica_hours']:.2f} replica-hours, TTFT p99 "
+              f"{r['ttft_p99_s']:.2f} s")
+  res = {"config": c.to_dict(), "rows": rows, "autoscale": scaling}
   if output_dir:
     write_json(output_dir, "fleet.json", res)
     plot(res, os.path.join(output_dir, "fleet.png"))
@@ -114,7 +154,7 @@ def run_study(c, output_dir: str = "") -> Dict:
 
 def plot(res: Dict, path: str) -> None:
   plt = pyplot()
-  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
   rows = res["rows"]
   pols = list(dict.fromkeys(r["policy"] for r in rows))
   x = np.arange(len(pols))
@@ -127,6 +167,15 @@ def plot(res: Dict, path: str) -> None:
     ax.bar(x, vals, color="tab:blue" if stream == "sessions" else "tab:orange")
     ax.set_xticks(x, pols, rotation=20, fontsize=8)
     ax.set_title(f"{stream}: {label}", fontsize=9)
+  ax = axes[3]
+  for r in res.get("autoscale", []):
+    t, n = zip(*r["timeline"], (r["makespan_s"], r["timeline"][-1][1]))
+    ax.step(t, n, where="post", label=f"{r['mode']}: {r['replica_hours']:.2f} replica-h, "
+            f"TTFT p99 {r['ttft_p99_s']:.2f} s")
+  ax.set_xlabel("simulated time (s)")
+  ax.set_ylabel("replicas")
+  ax.set_title("diurnal stream: replicas over time", fontsize=9)
+  ax.legend(fontsize=7)
   c = res["config"]
   fig.suptitle(f"{c['replicas']} simulated replicas of {c['model']} on {c['hardware']}",
                fontsize=10)
@@ -142,6 +191,15 @@ def print_table(res: Dict) -> None:
     print(f"{r['stream']:>9} {r['policy']:>13} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
           f"{r['itl_p99_ms']:>11.1f} {r['e2e_p99_s']:>8.2f} {r['cache_hit_share']:>5.2f} "
           f"{r['imbalance']:>6.2f} {r['sim_requests_per_wall_s']:>11.0f}")
+  if res.get("autoscale"):
+    print(f"\ndiurnal stream ({c['autoscale']['policy']}), good = first token within "
+          f"{c['slo_ttft_s']} s, {c['gpu_hour_price']} per replica-hour")
+    print(f"{'mode':>10} {'replica-h':>10} {'TTFT p99':>9} {'good':>6} {'good/replica-h':>15} "
+          f"{'cost/1k good':>13} {'cold start s':>13}")
+    for r in res["autoscale"]:
+      print(f"{r['mode']:>10} {r['replica_hours']:>10.3f} {r['ttft_p99_s']:>9.2f} "
+            f"{r['good']:>6} {r['goodput_per_replica_hour']:>15.0f} "
+            f"{r['cost_per_1k_good']:>13.3f} {r['cold_start_s']:>13.1f}")
 
 
 if __name__ == "__main__":

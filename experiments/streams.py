@@ -3,7 +3,8 @@ multi-turn sessions and trace files, each a list of `jaxinfer.runtime.fleet.Arri
 
 Arrival processes (`arrival_times`): poisson; gamma (inter-arrival gaps with a coefficient
 of variation `cv`: cv > 1 is bursty, cv = 1 Poisson); diurnal (Poisson whose rate swings
-sinusoidally by `amplitude` over `period_s`, drawn by thinning). Lengths (`lengths`):
+sinusoidally by `amplitude` over `period_s`, from its trough at time 0, drawn by
+thinning). Lengths (`lengths`):
 lognormal around a median, clipped, for heavy tails. Sessions (`sessions`): agent-like
 conversations whose turns share one system prompt and repeat their own history, so
 routing by prefix matters. Traces (`read_trace`): JSONL ({"time" or "arrival_time",
@@ -46,7 +47,7 @@ def arrival_times(process: str, rate: float, n: int, seed: int = 0, cv: float = 
     peak, t, out = rate * (1 + amplitude), 0.0, [0.0]
     while len(out) < n:  # thinning: candidates at the peak rate, kept at rate(t) / peak
       t += rng.exponential(1.0 / peak)
-      if rng.random() < (1 + amplitude * np.sin(2 * np.pi * t / period_s)) / (1 + amplitude):
+      if rng.random() < (1 - amplitude * np.cos(2 * np.pi * t / period_s)) / (1 + amplitude):
         out.append(t)
     return np.asarray(out)
   else:

@@ -26,7 +26,7 @@ def test_one_replica_fleet_equals_one_engine():
   c = _config()
   c.bursty.num_requests = 60
   arrivals = make_stream(c, "bursty")
-  got = Fleet(make_replicas(c, 1), make_policy("round_robin", [16])).run(arrivals)
+  got = Fleet(make_replicas(c, 1), make_policy("round_robin")).run(arrivals)
   eng = make_replicas(c, 1)[0]
   want = [eng.add_request(list(a.prompt_token_ids), a.sampling, arrival_time=a.time)
           for a in arrivals]
@@ -89,3 +89,18 @@ def test_streams_and_traces(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
     streams.read_trace(str(bad))
+
+
+def test_autoscaler_follows_a_diurnal_stream():
+  """Over two cycles of a diurnal stream, the autoscaled fleet starts replicas as the load
+  rises (each after its cold start) and drains them as it falls: fewer replica-hours than
+  the fixed fleet of its maximum, every request served."""
+  from experiments.fleet import run_autoscale
+  c = _config()
+  c.autoscale.update(num_requests=400, period_s=40.0)
+  fixed, scaled = run_autoscale(c, False), run_autoscale(c, True)
+  counts = [n for _, n in scaled["timeline"]]
+  assert max(counts) > 1 and any(b < a for a, b in zip(counts, counts[1:])), counts
+  assert scaled["replica_hours"] < 0.9 * fixed["replica_hours"], (scaled, fixed)
+  assert scaled["finished"] == fixed["finished"] == 400
+  assert scaled["cold_start_s"] > 20  # the warm-up plus Qwen3-8B's weights over PCIe

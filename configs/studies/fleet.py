@@ -25,12 +25,23 @@ def get_config(mode: str = ""):
   c.bursty = ml_collections.ConfigDict(dict(
       num_requests=2000, rate=40.0, cv=4.0, prompt_median=1024, prompt_sigma=1.0,
       prompt_max=8192, output_median=128, output_sigma=0.8, output_max=1024))
+  # a diurnal stream, served by a fixed fleet of max_replicas and by an autoscaled one
+  c.autoscale = ml_collections.ConfigDict(dict(
+      num_requests=6000, rate=10.0, amplitude=0.8, period_s=300.0, prompt_median=1024,
+      output_median=128, min_replicas=1, max_replicas=8, target_load=16.0,
+      down_fraction=0.5, warmup_s=20.0, policy="least_loaded"))
+  c.slo_ttft_s = 2.0  # a good answer: finished, its first token within this
+  c.gpu_hour_price = 2.0  # per replica-hour, for the cost per good answer
   if mode == "small":
     c.replicas = 4
     c.sessions.num_sessions = 16
     c.sessions.turns = 5
     c.bursty.num_requests = 300
     c.bursty.rate = 20.0
+    c.autoscale.num_requests = 1200
+    c.autoscale.rate = 5.0
+    c.autoscale.period_s = 120.0
+    c.autoscale.max_replicas = 4
   elif mode:
     raise ValueError(f"unknown mode {mode!r}: '' or 'small'")
   return c

@@ -124,6 +124,12 @@ class Engine:
       return self._vclock
     return time.perf_counter() - self._t0
 
+  def hold_until(self, t: float) -> None:
+    """A simulated engine starts no step before t (a fleet's replica still starting)."""
+    if not self.executor.virtual_clock:
+      raise RuntimeError("hold_until is for engines on a virtual clock")
+    self._wait_until(t)
+
   def _wait_until(self, t: float) -> None:
     if self.executor.virtual_clock:
       self._vclock = max(self._vclock, t)

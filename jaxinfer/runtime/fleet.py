@@ -1,6 +1,7 @@
 """A fleet of simulated replicas behind a router: many `Engine`s (each the real scheduler,
 page manager and prefix cache over a `SimExecutor` on the cost model's clock), one
-`routing.RoutingPolicy` choosing where each request goes, one discrete-event loop.
+`routing.RoutingPolicy` choosing where each request goes, one discrete-event loop, and
+optionally an `Autoscaler` that starts and releases replicas.
 
 Each replica keeps its own virtual clock. The loop always advances the replica that is
 furthest behind (the smallest clock among those with work), and hands a request to the
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Iterable, List, Optional, Sequence
+import math
+from typing import Callable, Iterable, List, Optional, Sequence
 
 from jaxinfer.config import SamplingParams
-from jaxinfer.runtime.routing import RoutingPolicy
+from jaxinfer.runtime.routing import RoutingPolicy, load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,28 +30,119 @@ class Arrival:
   deadline_s: Optional[float] = None
 
 
-class Fleet:
-  """Replicas (Engines on virtual clocks) behind `policy`; `run(arrivals)` plays a stream."""
+@dataclasses.dataclass(frozen=True)
+class Autoscaler:
+  """Checked at each arrival: the fleet aims at `target_load` unfinished requests
+  (running and waiting) per replica; when the open replicas (those still starting
+  included) hold more, as many replicas start as that load needs, up to max_replicas.
+  A new replica takes requests `cold_start_s` later (its weights over the host link plus
+  warm-up: `cold_start_s`). When one replica fewer would hold the load at
+  `down_fraction` of the target, the least loaded open replica drains: it takes no new
+  request and is released when its last one finishes (down to min_replicas). Replica
+  time is counted from a start to its release."""
+  min_replicas: int = 1
+  max_replicas: int = 8
+  target_load: float = 32.0
+  down_fraction: float = 0.5
+  cold_start_s: float = 30.0
 
-  def __init__(self, replicas: Sequence, policy: RoutingPolicy):
+  def __post_init__(self):
+    if not 1 <= self.min_replicas <= self.max_replicas:
+      raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas} "
+                       f"and {self.max_replicas}")
+    if self.target_load <= 0 or not 0 < self.down_fraction < 1 or self.cold_start_s < 0:
+      raise ValueError("target_load must be > 0, down_fraction in (0, 1), cold_start_s >= 0")
+
+
+def cold_start_s(weight_bytes: float, link_bandwidth: float, warmup_s: float) -> float:
+  """A new replica's start: its weights over the host link, then warm-up (compiles)."""
+  return weight_bytes / link_bandwidth + warmup_s
+
+
+class Fleet:
+  """Replicas (Engines on virtual clocks) behind `policy`; `run(arrivals)` plays a stream.
+  With `autoscaler`, `replicas` are the ones up at time 0 and `make_replica()` builds
+  another."""
+
+  def __init__(self, replicas: Sequence, policy: RoutingPolicy,
+               autoscaler: Optional[Autoscaler] = None,
+               make_replica: Optional[Callable[[], object]] = None):
     if not replicas:
       raise ValueError("a fleet needs at least one replica")
-    if not all(e.executor.virtual_clock for e in replicas):
-      raise ValueError("a fleet runs simulated replicas (executors on a virtual clock)")
+    if autoscaler is not None and make_replica is None:
+      raise ValueError("an autoscaled fleet needs make_replica to start replicas")
     self.replicas = list(replicas)
+    for e in self.replicas:
+      self._check(e)
     self.policy = policy
+    self.autoscaler = autoscaler
+    self.make_replica = make_replica
     self.routed = [0] * len(self.replicas)
     self.placement: List[int] = []  # the replica of each request, in arrival order
     self.steps = 0
+    n = len(self.replicas)
+    self.started = [0.0] * n  # when each replica was started (its cold start counts)
+    self.ready_at = [0.0] * n
+    self.released: List[Optional[float]] = [None] * n
+    self.idle_since: List[Optional[float]] = [0.0] * n
+    self.live = list(range(n))  # replicas open to new requests
+    self.draining: List[int] = []  # replicas finishing their requests before release
+    self.timeline = [(0.0, n)]  # (time, live replicas) at each change
 
+  @staticmethod
+  def _check(e) -> None:
+    if not e.executor.virtual_clock:
+      raise ValueError("a fleet runs simulated replicas (executors on a virtual clock)")
+
+  # --- scaling ---------------------------------------------------------------------------
+  def _scale(self, t: float) -> None:
+    a = self.autoscaler
+    for i in list(self.draining):  # drained replicas are released when they went idle
+      if not self.replicas[i].has_unfinished() and self.idle_since[i] is not None:
+        self.draining.remove(i)
+        self.released[i] = max(self.idle_since[i], self.started[i])
+    held = sum(load(self.replicas[i]) for i in self.live) + 1  # with the arriving one
+    ready = [i for i in self.live if self.ready_at[i] <= t]
+    if (len(self.live) > a.min_replicas and len(ready) > 1
+        and held <= (len(self.live) - 1) * a.target_load * a.down_fraction):
+      i = min(ready, key=lambda j: (load(self.replicas[j]), -j))
+      self.live.remove(i)
+      self.draining.append(i)
+      if not self.replicas[i].has_unfinished():
+        self.idle_since[i] = max(self.idle_since[i] or t, t)
+    want = min(a.max_replicas, math.ceil(held / a.target_load))
+    for _ in range(want - len(self.live)):
+      e = self.make_replica()
+      self._check(e)
+      e.hold_until(t + a.cold_start_s)
+      self.replicas.append(e)
+      self.routed.append(0)
+      self.started.append(t)
+      self.ready_at.append(t + a.cold_start_s)
+      self.released.append(None)
+      self.idle_since.append(None)
+      self.live.append(len(self.replicas) - 1)
+    if self.timeline[-1][1] != len(self.live):
+      self.timeline.append((t, len(self.live)))
+
+  def replica_seconds(self, end: float) -> float:
+    """Replica time from each start to its release (or `end`)."""
+    return sum((r if r is not None else end) - s for s, r in zip(self.started, self.released))
+
+  # --- the loop --------------------------------------------------------------------------
   def _add(self, a: Arrival, request_id):
     """Route one arrival; returns (its replica, its Request)."""
+    if self.autoscaler is not None:
+      self._scale(a.time)
+    ready = [i for i in self.live if self.ready_at[i] <= a.time] or self.live
     ids = list(a.prompt_token_ids)
-    i = self.policy.choose(ids, self.replicas)
-    r = self.replicas[i].add_request(ids, a.sampling, request_id=request_id,
-                                     arrival_time=a.time, deadline_s=a.deadline_s)
-    self.policy.placed(i, ids)
+    i = ready[self.policy.choose(ids, [self.replicas[j] for j in ready])]
+    e = self.replicas[i]
+    r = e.add_request(ids, a.sampling, request_id=request_id, arrival_time=a.time,
+                      deadline_s=a.deadline_s)
+    self.policy.placed(e, ids)
     self.routed[i] += 1
+    self.idle_since[i] = None
     return i, r
 
   def run(self, arrivals: Iterable[Arrival]) -> List:
@@ -83,4 +176,9 @@ class Fleet:
       if e.has_unfinished():
         heapq.heappush(busy, (e.now(), i))
         queued.add(i)
+      else:
+        self.idle_since[i] = e.now()
+    for i in self.draining:  # drained after the last arrival: released when they emptied
+      self.released[i] = max(self.idle_since[i] or self.started[i], self.started[i])
+    self.draining = []
     return order

@@ -30,8 +30,7 @@ class Router:
         balance_threshold < 0:
       raise ValueError(f"balance_threshold must be an integer >= 0, got {balance_threshold!r}")
     self.replicas = list(replicas)
-    self.policy = routing_policies.make_policy(
-        routing, [e.pm.page_size for e in self.replicas], balance_threshold)
+    self.policy = routing_policies.make_policy(routing, balance_threshold)
     self.routing = routing
     self.balance_threshold = balance_threshold
     self.tokenizer = self.replicas[0].tokenizer
@@ -76,7 +75,7 @@ class Router:
       raise ValueError(f"request id {request_id!r} is already in use")
     i = self.route(ids)
     r = self.replicas[i].add_request(ids, sampling, request_id=request_id, **kw)
-    self.policy.placed(i, ids)
+    self.policy.placed(self.replicas[i], ids)
     self.routed[i] += 1
     return r
 

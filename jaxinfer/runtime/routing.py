@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -80,24 +79,27 @@ class PrefixIndex:
 
 
 class RoutingPolicy:
-  """choose(ids, replicas) -> index; placed(i, ids) after the request lands on replica i."""
+  """choose(ids, replicas) -> an index into `replicas` (the ones open to new requests now:
+  a fleet's set may change between calls); placed(engine, ids) after the request lands."""
   name = ""
 
   def choose(self, ids: Sequence[int], replicas: Sequence) -> int:
     raise NotImplementedError
 
-  def placed(self, i: int, ids: Sequence[int]) -> None:
+  def placed(self, engine, ids: Sequence[int]) -> None:
     pass
 
 
 class RoundRobin(RoutingPolicy):
   name = "round_robin"
 
-  def __init__(self, n: int):
-    self._next = itertools.cycle(range(n))
+  def __init__(self):
+    self._turn = 0
 
   def choose(self, ids, replicas):
-    return next(self._next)
+    i = self._turn % len(replicas)
+    self._turn += 1
+    return i
 
 
 class LeastLoaded(RoutingPolicy):
@@ -124,9 +126,15 @@ class PowerOfTwo(RoutingPolicy):
 class PrefixAffinity(RoutingPolicy):
   name = "prefix"
 
-  def __init__(self, page_sizes: Sequence[int], balance_threshold: int = 8):
-    self.index = [PrefixIndex(p) for p in page_sizes]
+  def __init__(self, balance_threshold: int = 8):
+    self.index = {}  # id(engine) -> PrefixIndex of the prompts routed to it
     self.balance_threshold = balance_threshold
+
+  def _index(self, engine) -> PrefixIndex:
+    key = id(engine)
+    if key not in self.index:
+      self.index[key] = PrefixIndex(engine.pm.page_size)
+    return self.index[key]
 
   def choose(self, ids, replicas):
     n = len(replicas)
@@ -134,12 +142,12 @@ class PrefixAffinity(RoutingPolicy):
     least = min(range(n), key=lambda i: (loads[i], i))
     if max(loads) - min(loads) > self.balance_threshold:
       return least
-    hits = [self.index[i].match(ids) for i in range(n)]
+    hits = [self._index(e).match(ids) for e in replicas]
     best = max(range(n), key=lambda i: (hits[i], -loads[i], -i))
     return best if hits[best] > 0 else least
 
-  def placed(self, i, ids):
-    self.index[i].insert(ids)
+  def placed(self, engine, ids):
+    self._index(engine).insert(ids)
 
 
 class SloAware(RoutingPolicy):
@@ -181,12 +189,10 @@ def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   return t
 
 
-def make_policy(name: str, page_sizes: Sequence[int], balance_threshold: int = 8,
-                seed: int = 0) -> RoutingPolicy:
-  """The policy `name` (one of POLICIES) over replicas with these page sizes."""
+def make_policy(name: str, balance_threshold: int = 8, seed: int = 0) -> RoutingPolicy:
+  """The policy `name` (one of POLICIES)."""
   if name not in POLICIES:
     raise ValueError(f"routing must be one of {POLICIES}, got {name!r}")
-  n = len(page_sizes)
-  return {"prefix": lambda: PrefixAffinity(page_sizes, balance_threshold),
-          "round_robin": lambda: RoundRobin(n), "least_loaded": LeastLoaded,
-          "power_of_two": lambda: PowerOfTwo(seed), "slo": SloAware}[name]()
+  return {"prefix": lambda: PrefixAffinity(balance_threshold), "round_robin": RoundRobin,
+          "least_loaded": LeastLoaded, "power_of_two": lambda: PowerOfTwo(seed),
+          "slo": SloAware}[name]()
