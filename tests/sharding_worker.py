@@ -109,7 +109,6 @@ def run_ep() -> dict:
   """Expert parallel meshes against one device, on a Qwen3-MoE-style model (tp x ep too)
   and a DeepSeek-style one (latent attention: ep without tp; a dense first layer, so its
   layers stay a list), with each device's share of the experts."""
-  import jax
   from jaxinfer import sharding
   out = {"tokens": {}, "experts": {}}
   for name, m, meshes in (("moe", tiny_moe(), ("tp:1", "ep:2", "tp:2,ep:2")),
