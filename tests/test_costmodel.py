@@ -237,3 +237,22 @@ def test_breakdown_itemises_the_step_time():
     assert b["memory_s"] == pytest.approx(b["bytes"] / (rm.hw.bandwidth * b["mbu"]))
     assert b["time_s"] == pytest.approx(max(b["compute_s"], b["memory_s"]))
     assert b["time_s"] == rm.step_time(seqs, 6144)
+
+
+@pytest.mark.parametrize("model,tp,calibration", [
+    ("qwen3-8b", 1, "auto"), ("qwen3-8b", 2, "auto"), ("gemma-2-9b", 1, "auto"),
+    ("deepseek-v3", 1, "auto"), ("mixtral-8x7b", 1, None)])
+def test_decode_times_equal_step_times(model, tp, calibration):
+  """The fast-forward's rounds (decode_times: n rounds of one batch whose contexts grow by
+  one per round) cost exactly, bit for bit, what step_time charges each round: full and
+  sliding-window layers, soft caps, latent attention, experts, tensor parallelism, a
+  shared prefix, with and without a calibration table."""
+  import numpy as np
+  rm = RooflineStepModel.for_names(model, "rtx-pro-6000", calibration=calibration, tp=tp)
+  rng = np.random.default_rng(0)
+  for batch in (1, 5, 32):
+    ctx = rng.integers(0, 6000, batch).tolist()
+    for shared, sharing in ((0, None), (1024, min(batch, 3))):
+      got = rm.decode_times(ctx, 200, shared, sharing).tolist()
+      want = [rm.step_time([(1, h + k) for h in ctx], shared, sharing) for k in range(200)]
+      assert got == want

@@ -37,6 +37,70 @@ def test_one_replica_fleet_equals_one_engine():
     assert g.finished_at == pytest.approx(w.finished_at, abs=1e-9)
 
 
+@pytest.mark.parametrize("stream,policy", [("bursty", "least_loaded"), ("sessions", "slo")])
+def test_fast_forward_keeps_every_timeline(stream, policy):
+  """Replicas that run their plain decode rounds up to the next arrival as one event give
+  every request the same token times (exactly) and the router the same choices as
+  stepping round by round, in far fewer events."""
+  from experiments.fleet import make_replicas, make_stream
+  from jaxinfer.runtime.fleet import Fleet
+  from jaxinfer.runtime.routing import make_policy
+  c = _config()
+  c.bursty.num_requests, c.sessions.num_sessions, c.sessions.turns = 120, 8, 3
+  runs = []
+  for ff in (False, True):
+    fleet = Fleet(make_replicas(c, c.replicas), make_policy(policy, seed=c.seed),
+                  fast_forward=ff)
+    reqs = fleet.run(make_stream(c, stream))
+    runs.append((fleet, [r.token_times for r in reqs], [e.steps.count for e in fleet.replicas]))
+  (slow, t_slow, n_slow), (fast, t_fast, n_fast) = runs
+  assert t_fast == t_slow and fast.placement == slow.placement and n_fast == n_slow
+  assert fast.steps == slow.steps == slow.events
+  assert fast.events < slow.events / 2, (fast.events, slow.events)
+
+
+@pytest.mark.parametrize("reserve", ["end", "none"])
+def test_engine_fast_forward_equals_stepping(reserve):
+  """One simulated engine with requests arriving over time, more than max_running at
+  once, and (reserve="none") a pool small enough to preempt: fast-forwarding wherever
+  it may gives the same token times, finish times and step records as step()."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.executors.sim_executor import SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000")
+  rng = np.random.default_rng(3)
+  runs = []
+  for ff in (False, True):
+    e = Engine(SimExecutor(rm, num_pages=96 if reserve == "none" else 4096, page_size=16),
+               SchedulerConfig("chunked", 6, 512, 256, reserve=reserve),
+               buckets=BucketTable.default(512, 8, 4096), prefix_cache=True)
+    rng = np.random.default_rng(3)
+    reqs = [e.add_request(rng.integers(0, 1000, int(rng.integers(20, 400))).tolist(),
+                          SamplingParams(max_tokens=int(rng.integers(1, 300))),
+                          arrival_time=float(t))
+            for t in np.cumsum(rng.exponential(0.3, 24))]
+    rounds = 0
+    while e.has_unfinished():
+      k = e.fast_forward() if ff else 0
+      rounds += k
+      if not k:
+        e.step()
+    runs.append((reqs, e, rounds))
+  (a, ea, _), (b, eb, rounds) = runs
+  assert rounds > 100
+  assert [r.token_times for r in a] == [r.token_times for r in b]
+  assert [r.finished_at for r in a] == [r.finished_at for r in b]
+  assert [r.num_preemptions for r in a] == [r.num_preemptions for r in b]
+  if reserve == "none":
+    assert sum(r.num_preemptions for r in a) > 0
+  assert ea.steps.count == eb.steps.count
+  fields = lambda s: (s.index, s.start, s.duration, s.bucket, s.padded_tokens, s.members)  # noqa: E731
+  assert [fields(s) for s in ea.steps] == [fields(s) for s in eb.steps]
+
+
 def test_prefix_routing_keeps_sessions_warm():
   """Agent sessions over 4 simulated replicas: prefix affinity serves more prompt tokens
   from the prefix cache than round robin and gets first tokens sooner at the median."""

@@ -110,8 +110,13 @@ class ModelCosts:
   def kv_read_tokens(self, context: int) -> float:
     """Tokens of K/V a step reads for one request at `context`, averaged over layers: a
     windowed layer reads at most its window (8.2.1's L k, with L per layer)."""
-    return sum(n * (min(context, w) if w else context)
-               for w, n in self._window_groups) / self.cfg.num_layers
+    return self._kv_layer_tokens([context]) / self.cfg.num_layers
+
+  def _kv_layer_tokens(self, contexts) -> int:
+    """Tokens of K/V read summed over layers and requests (an integer: the per-step sum
+    and decode_times' per-round sums agree exactly)."""
+    return sum(n * (sum(min(c, w) for c in contexts) if w else sum(contexts))
+               for w, n in self._window_groups)
 
   def step_bytes(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                  sharing: Optional[int] = None) -> float:
@@ -121,7 +126,7 @@ class ModelCosts:
     (8.6.3)."""
     n = len(seqs) if sharing is None else sharing
     full = self.cfg.windows.count(0) / self.cfg.num_layers
-    ctx = (sum(self.kv_read_tokens(h + c) for c, h in seqs)
+    ctx = (self._kv_layer_tokens([h + c for c, h in seqs]) / self.cfg.num_layers
            - shared_tokens * max(n - 1, 0) * full)
     return self.weights_read(sum(c for c, _ in seqs)) + ctx * self.kv_bytes_per_token
 
@@ -257,6 +262,54 @@ class RooflineStepModel:
       return 0.0
     return max(self.compute_time(seqs, logits_rows),
                self.memory_time(seqs, shared_tokens, sharing)) + self.comm_time(seqs)
+
+  def decode_times(self, contexts: Sequence[int], n: int, shared_tokens: int = 0,
+                   sharing: Optional[int] = None) -> np.ndarray:
+    """The times of n decode rounds of one batch, round k running one token per request
+    after contexts[i] + k cached tokens: step_time([(1, h + k) for h in contexts]) for
+    k < n, equal to it bit for bit, in one pass (the fleet simulator's fast-forward over
+    a stretch of plain decoding). The shared prefix is the same in every round."""
+    if n <= 0 or not len(contexts):
+      return np.zeros(max(n, 0))
+    costs, cfg = self.costs, self.costs.cfg
+    b = len(contexts)
+    h = np.asarray(contexts, np.int64)
+    k = np.arange(n, dtype=np.int64)
+    h_sum = int(h.sum())
+    # Per-request sums over the window groups, as integers per round: attention pairs
+    # (the new token sees min(h + k + 1, W) keys) and K/V tokens read (the same count).
+    ctx = h[None, :] + k[:, None] + 1 if any(w for w, _ in costs._window_groups) else None
+    sums = {}
+    for w, _ in costs._window_groups:
+      sums[w] = (np.minimum(ctx, w).sum(1) if w else h_sum + b * (k + 1))
+    per_layer = cfg.attention_flops_per_pair() / cfg.num_layers
+    cap = 3 * cfg.num_heads if cfg.attn_softcap else 0
+    attn = np.zeros(n)
+    for w, layers in costs._window_groups:
+      attn = attn + layers * (per_layer + cap) * sums[w]
+    flops = (b * costs.flops_per_token + attn + b * costs.lm_head_flops) / self.tp
+    if self.calib:
+      c = self.calib
+      logf = np.array([math.log(max(f, 1.0)) for f in flops.tolist()])
+      mfu = np.interp(logf, np.log(c.mfu_flops), c.mfu)
+      if c.cached_factors:
+        share = (h_sum + b * k) / (h_sum + b * k + b)
+        f = np.interp(share, [0.0] + [s for s, _ in c.cached_factors],
+                      [1.0] + [x for _, x in c.cached_factors])
+        mfu = np.where(share > 0, mfu * f, mfu)
+    else:
+      mfu = 1.0
+    compute = flops / (self.hw.peak_flops * mfu)
+    layer_tokens = np.zeros(n, np.int64)
+    for w, layers in costs._window_groups:
+      layer_tokens = layer_tokens + layers * sums[w]
+    m = b if sharing is None else sharing
+    full = cfg.windows.count(0) / cfg.num_layers
+    kv = layer_tokens / cfg.num_layers - shared_tokens * max(m - 1, 0) * full
+    nbytes = (costs.weights_read(b) + kv * costs.kv_bytes_per_token) / self.tp
+    mbu = np.interp(nbytes, self.calib.mbu_bytes, self.calib.mbu) if self.calib else 1.0
+    memory = nbytes / (self.hw.bandwidth * mbu)
+    return np.maximum(compute, memory) + self.comm_time([(1, 0)] * b)
 
   def breakdown(self, seqs: Sequence[Tuple[int, int]], shared_tokens: int = 0,
                 sharing: Optional[int] = None) -> dict:

@@ -154,6 +154,24 @@ class SimExecutor:
     return StepResult(np.array(ids, np.int32), np.zeros(len(ids), np.float32),
                       np.array(accepted, bool), t + extra)
 
+  def decode_times(self, contexts: Sequence[int], n: int, shared_tokens: int = 0,
+                   sharing: Optional[int] = None) -> Optional[np.ndarray]:
+    """The durations `execute` gives n plain decode rounds of one batch (round k: one
+    token per request after contexts[i] + k cached tokens, no drafts), or None where a
+    round's cost depends on more than its step model (bucket padding, compiles, adapter
+    costs): the engine's fast-forward then steps one by one."""
+    if self.pad_to_buckets or self.compile_s or self.lora_cost is not None:
+      return None
+    m = self.step_model
+    if hasattr(m, "decode_times"):
+      return m.decode_times(contexts, n, shared_tokens, sharing)
+    return np.array([m.step_time([(1, h + k) for h in contexts], shared_tokens, sharing)
+                     for k in range(n)])
+
+  def mark_run(self, buckets) -> None:
+    """Bucket shapes that ran outside execute (a fast-forwarded stretch of rounds)."""
+    self.compiled.update(buckets)
+
   @property
   def compiles(self) -> int:
     """First uses of a bucket shape (each charged compile_s)."""

@@ -26,6 +26,7 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
 from jaxinfer.runtime.batcher import SeqWork, StepInput, pack, select_bucket
+from jaxinfer.runtime.fast_forward import fast_forward
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.records import StepLog, trim_requests
@@ -419,6 +420,14 @@ class Engine:
       if f is None:
         return self._take_failed()
     return self.finish(f)
+
+  def fast_forward(self, until: float = math.inf) -> int:
+    """Simulated engines: run the plain decode rounds that start before `until` as one
+    event while nothing can change the batch (runtime/fast_forward.py), leaving the
+    requests as step() would; returns the rounds run (0: step() is needed). Emits no
+    TokenEvents."""
+    self._check_owner()
+    return fast_forward(self, until)
 
   def stream(self) -> Iterator[TokenEvent]:
     """Step until no work is left, yielding every event. If the consumer stops early (or an

@@ -62,11 +62,13 @@ def cold_start_s(weight_bytes: float, link_bandwidth: float, warmup_s: float) ->
 class Fleet:
   """Replicas (Engines on virtual clocks) behind `policy`; `run(arrivals)` plays a stream.
   With `autoscaler`, `replicas` are the ones up at time 0 and `make_replica()` builds
-  another."""
+  another. fast_forward: a replica that only decodes runs its rounds up to the next
+  arrival as one event (Engine.fast_forward; the same timelines as step by step)."""
 
   def __init__(self, replicas: Sequence, policy: RoutingPolicy,
                autoscaler: Optional[Autoscaler] = None,
-               make_replica: Optional[Callable[[], object]] = None):
+               make_replica: Optional[Callable[[], object]] = None,
+               fast_forward: bool = True):
     if not replicas:
       raise ValueError("a fleet needs at least one replica")
     if autoscaler is not None and make_replica is None:
@@ -77,6 +79,8 @@ class Fleet:
     self.policy = policy
     self.autoscaler = autoscaler
     self.make_replica = make_replica
+    self.fast_forward = fast_forward
+    self.events = 0  # replica advances: steps, and fast-forwarded stretches of rounds
     self.routed = [0] * len(self.replicas)
     self.placement: List[int] = []  # the replica of each request, in arrival order
     self.steps = 0
@@ -171,6 +175,14 @@ class Fleet:
       _, i = heapq.heappop(busy)
       queued.discard(i)
       e = self.replicas[i]
+      self.events += 1
+      rounds = e.fast_forward(nxt.time if nxt is not None else math.inf) \
+          if self.fast_forward else 0
+      if rounds:  # decode rounds that start before the next arrival, as one event
+        self.steps += rounds
+        heapq.heappush(busy, (e.now(), i))
+        queued.add(i)
+        continue
       e.step()
       self.steps += 1
       if e.has_unfinished():

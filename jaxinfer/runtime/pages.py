@@ -181,8 +181,7 @@ class PageManager:
       raise ValueError(f"grow() cannot shrink ({s.num_tokens} -> {new_num_tokens}); use rollback")
     new_pages = max(self.pages_for(new_num_tokens) - len(s.pages), 0)
     tail = s.num_tokens // self.page_size
-    cow = (new_num_tokens > s.num_tokens and s.num_tokens % self.page_size != 0 and
-           tail < len(s.pages) and self._refs[s.pages[tail]] > 1)
+    cow = new_num_tokens > s.num_tokens and self.shares_tail(seq_id)
     need = new_pages + int(cow)
     from_reserve = min(need, s.reserved)
     if need - from_reserve > self.num_available:
@@ -201,6 +200,14 @@ class PageManager:
       s.pages.append(self._take(s.pages[-1] if s.pages else None))
     s.num_tokens = new_num_tokens
     return copies
+
+  def shares_tail(self, seq_id) -> bool:
+    """Whether the sequence's partially filled last page is shared (writing past its end
+    copies the page first: copy-on-write)."""
+    s = self._seqs[seq_id]
+    tail = s.num_tokens // self.page_size
+    return (s.num_tokens % self.page_size != 0 and tail < len(s.pages)
+            and self._refs[s.pages[tail]] > 1)
 
   def rollback(self, seq_id, new_num_tokens: int) -> None:
     """Cut the sequence back to new_num_tokens; pages past the new end are released
