@@ -9,7 +9,7 @@ drops. Imports no JAX.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,11 +57,19 @@ class StepInput:
 
 
 def select_bucket(works: Sequence[SeqWork], table: BucketTable, page_size: int) -> Bucket:
-  n_pre = sum(len(w.token_ids) > 1 for w in works)
-  return table.select(sum(len(w.token_ids) for w in works), len(works) - n_pre,
-                      max(-(-(w.cached_len + len(w.token_ids)) // page_size) for w in works),
-                      max(len(w.token_ids) for w in works), n_pre,
-                      num_logits=sum(w.num_logits for w in works))
+  return bucket_for(((len(w.token_ids), w.cached_len, w.num_logits) for w in works), table,
+                    page_size)
+
+
+def bucket_for(seqs: Iterable[Tuple[int, int, int]], table: BucketTable,
+               page_size: int) -> Bucket:
+  """The bucket of a step of (new tokens, cached tokens, logits rows) per request."""
+  seqs = list(seqs)
+  n_pre = sum(n > 1 for n, _, _ in seqs)
+  return table.select(sum(n for n, _, _ in seqs), len(seqs) - n_pre,
+                      max(-(-(h + n) // page_size) for n, h, _ in seqs),
+                      max(n for n, _, _ in seqs), n_pre,
+                      num_logits=sum(lg for _, _, lg in seqs))
 
 
 def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0) -> Dict[str, np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
-from jaxinfer.runtime.batcher import SeqWork, StepInput, pack, select_bucket
+from jaxinfer.runtime.batcher import SeqWork, StepInput, bucket_for, pack
 from jaxinfer.runtime.fast_forward import fast_forward
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
@@ -319,23 +319,12 @@ class Engine:
       ex.copy_pages(plan.copies)
     if self.scheduler.adapters is not None:  # adapters the plan admitted, into their slots
       self.scheduler.adapters.load_pending(ex.load_lora)
-    works = [SeqWork(token_ids=s.token_ids, cached_len=s.start,
-                     page_table=self.pm.page_table(s.request.request_id),
-                     num_logits=s.num_logits, temperature=s.request.sampling.temperature,
-                     top_k=s.request.sampling.top_k, top_p=s.request.sampling.top_p,
-                     seed=s.request.seed, sample_index=len(s.request.output_token_ids),
-                     num_draft=len(s.draft),
-                     sampling=s.request.sampling if s.request.sampling.processes_logits
-                     else None, prompt_ids=s.request.prompt_token_ids,
-                     output_ids=s.request.output_token_ids,
-                     top_logprobs=bool(s.request.sampling.logprobs),
-                     lora_slot=s.request.lora_slot)
-             for s in plan.seqs]
     if ex.virtual_clock:  # no arrays: the simulator sees the bucket only
-      b = select_bucket(works, self.buckets, self.pm.page_size)
+      b = bucket_for(((s.num_step_tokens, s.start, s.num_logits) for s in plan.seqs),
+                     self.buckets, self.pm.page_size)
       step = StepInput(arrays={}, bucket=b, logits_rows=[], num_tokens=plan.num_tokens)
     else:
-      step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages,
+      step = pack(self._works(plan), self.buckets, self.pm.page_size, self.pm.num_pages,
                   vocab_size=ex.vocab_size or 0)
       b = step.bucket
       step.mask_fn = self._mask_fn(plan, b.num_logits)
@@ -348,6 +337,21 @@ class Engine:
                                 b.prefill_slots),
                                b.num_tokens - plan.num_tokens, draft_s, host_s)
     return self._in_flight
+
+  def _works(self, plan: StepPlan) -> List[SeqWork]:
+    """What the executor's step arrays are packed from, per scheduled request."""
+    return [SeqWork(token_ids=s.token_ids, cached_len=s.start,
+                     page_table=self.pm.page_table(s.request.request_id),
+                     num_logits=s.num_logits, temperature=s.request.sampling.temperature,
+                     top_k=s.request.sampling.top_k, top_p=s.request.sampling.top_p,
+                     seed=s.request.seed, sample_index=len(s.request.output_token_ids),
+                     num_draft=len(s.draft),
+                     sampling=s.request.sampling if s.request.sampling.processes_logits
+                     else None, prompt_ids=s.request.prompt_token_ids,
+                     output_ids=s.request.output_token_ids,
+                     top_logprobs=bool(s.request.sampling.logprobs),
+                     lora_slot=s.request.lora_slot)
+             for s in plan.seqs]
 
   def _mask_fn(self, plan: StepPlan, num_rows: int) -> Optional[Callable[[], np.ndarray]]:
     """The step's token-mask filler (structured/step_masks.py), timed into mask_time_s;
