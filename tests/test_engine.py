@@ -112,13 +112,13 @@ def test_sim_and_real_make_the_same_decisions(smollm2):
   assert real == sim
 
 
-# Every drafter in the default suite: n-gram (adaptive draft lengths) and the draft model
-# on SmolLM2, fixed-length n-gram and early exit on the 2-layer random model (its greedy
-# output repeats itself, so drafts are accepted there too); all four on SmolLM2 in the slow
-# suite.
+# Every drafter in the default suite: the draft model with adaptive draft lengths on
+# SmolLM2, fixed-length n-gram and early exit on the 2-layer random model (its greedy
+# output repeats itself, so drafts are accepted there too); n-gram and early exit on
+# SmolLM2 in the slow suite.
 @pytest.mark.parametrize("model,drafter,adaptive", [
     pytest.param("smollm2", "ngram", False, marks=pytest.mark.slow),
-    ("smollm2", "ngram", True),
+    pytest.param("smollm2", "ngram", True, marks=pytest.mark.slow),
     pytest.param("smollm2", "early_exit", False, marks=pytest.mark.slow),
     ("smollm2", "draft_model", True),
     ("tiny_smollm2", "ngram", False), ("tiny_smollm2", "early_exit", False)])
@@ -160,6 +160,7 @@ def test_speculative_greedy_equals_plain_greedy(request, model, drafter, adaptiv
   assert eng.pm.num_free == eng.pm.num_pages
 
 
+@pytest.mark.slow
 def test_warm_speculative_engine_with_prefix_hits_and_host_tier_never_recompiles(smollm2):
   """Warm-up covers every shape the configuration runs: verify steps (logits at every
   token), the early-exit draft steps, and the host tier's page copies; a mixed run with

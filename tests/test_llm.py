@@ -113,6 +113,7 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   assert llm.executor.num_pages == 64 + mem["net_bytes"] // (46080 * 16)
 
 
+@pytest.mark.slow
 def test_q_precision_reaches_attention(smollm2):
   """8.4.4's storage-vs-compute split is plumbed to the attention: rounding Q through
   q4_0 changes the logprobs against the same q4_0 pool; against an f32 pool it is a

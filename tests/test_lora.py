@@ -475,6 +475,7 @@ def test_a_warm_engine_with_adapters_never_recompiles(smollm2, adapters):
   assert num_compiled_steps() == before, "a warm engine with adapters compiled a shape"
 
 
+@pytest.mark.slow
 def test_speculative_decoding_under_an_adapter_equals_plain(smollm2, lora_llm, adapters):
   """n-gram and early-exit drafts (drafted without the adapter) are verified by the
   adapted target: the greedy output equals plain decoding under the same adapter."""
