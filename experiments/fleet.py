@@ -131,20 +131,44 @@ def run_autoscale(c, scaled: bool) -> Dict:
   return out
 
 
+def _run(job):
+  """One condition of the sweep (a worker process runs it when c.workers > 1)."""
+  c, kind, a, b = job
+  return run_one(c, a, b) if kind == "route" else run_autoscale(c, a)
+
+
+def _line(r: Dict) -> str:
+  if "mode" in r:
+    return (f"{r['mode']}: {r['replica_hours']:.2f} replica-hours, TTFT p99 "
+            f"{r['ttft_p99_s']:.2f} s")
+  return (f"{r['stream']} {r['policy']}: TTFT p99 {r['ttft_p99_s']:.3f} s, hits "
+          f"{r['cache_hit_share']:.2f}, {r['sim_requests_per_wall_s']:.0f} requests/wall-s")
+
+
 def run_study(c, output_dir: str = "") -> Dict:
-  rows = []
-  conds = [(s, p) for s in ("sessions", "bursty") for p in c.policies]
-  prog = Progress(len(conds) + 2, "fleet")
-  for s, p in conds:
-    r = run_one(c, s, p)
-    rows.append(r)
-    prog.step(f"{s} {p}: TTFT p99 {r['ttft_p99_s']:.3f} s, hits {r['cache_hit_share']:.2f}")
-  scaling = []
-  for scaled in (False, True):
-    r = run_autoscale(c, scaled)
-    scaling.append(r)
-    prog.step(f"{r['mode']}: {r['replica_hours']:.2f} replica-hours, TTFT p99 "
-              f"{r['ttft_p99_s']:.2f} s")
+  """Every (stream, policy) of c.streams x c.policies, then (c.autoscaling) the diurnal
+  stream fixed and autoscaled; conditions run in c.workers processes (0: one per CPU),
+  results in condition order."""
+  jobs = [(c, "route", s, p) for s in c.streams for p in c.policies]
+  if c.autoscaling:
+    jobs += [(c, "scale", False, None), (c, "scale", True, None)]
+  prog = Progress(len(jobs), "fleet")
+  workers = min(c.workers or os.cpu_count() or 1, len(jobs))
+  out = []
+  if workers > 1:
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+      for r in pool.map(_run, jobs):
+        out.append(r)
+        prog.step(_line(r))
+  else:
+    for job in jobs:
+      out.append(_run(job))
+      prog.step(_line(out[-1]))
+  rows = [r for r in out if "mode" not in r]
+  scaling = [r for r in out if "mode" in r]
   res = {"config": c.to_dict(), "rows": rows, "autoscale": scaling}
   if output_dir:
     write_json(output_dir, "fleet.json", res)
@@ -154,8 +178,10 @@ def run_study(c, output_dir: str = "") -> Dict:
 
 def plot(res: Dict, path: str) -> None:
   plt = pyplot()
-  fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
   rows = res["rows"]
+  if not ({"sessions", "bursty"} <= {r["stream"] for r in rows} and res.get("autoscale")):
+    return  # the figure compares both streams and the autoscaler (the study's default)
+  fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
   pols = list(dict.fromkeys(r["policy"] for r in rows))
   x = np.arange(len(pols))
   for ax, (stream, key, label) in zip(axes, (

@@ -168,3 +168,20 @@ def test_autoscaler_follows_a_diurnal_stream():
   assert scaled["replica_hours"] < 0.9 * fixed["replica_hours"], (scaled, fixed)
   assert scaled["finished"] == fixed["finished"] == 400
   assert scaled["cold_start_s"] > 20  # the warm-up plus Qwen3-8B's weights over PCIe
+
+
+def test_study_conditions_in_worker_processes_equal_in_process(tmp_path):
+  """The sweep's conditions run in worker processes give the rows one process gives
+  (everything but the wall times), in condition order."""
+  from experiments.fleet import run_study
+  c = _config(policies=("round_robin", "least_loaded", "prefix"), streams=("bursty",),
+              autoscaling=False)
+  c.bursty.num_requests = 40
+  rows = {}
+  for workers in (1, 2):
+    c.workers = workers
+    rows[workers] = run_study(c, str(tmp_path / str(workers)))["rows"]
+  strip = lambda rs: [{k: v for k, v in r.items() if "wall" not in k} for r in rs]  # noqa: E731
+  assert strip(rows[2]) == strip(rows[1])
+  assert [r["policy"] for r in rows[2]] == ["round_robin", "least_loaded", "prefix"]
+  assert (tmp_path / "2" / "fleet.json").exists()

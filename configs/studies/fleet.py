@@ -1,7 +1,10 @@
 """experiments.fleet: replicas of the real scheduler on the cost model's clock behind the
 routing policies, under an agent-session stream and a bursty stream.
 
-  python -m experiments.fleet --config=configs/studies/fleet.py[:small]
+  python -m experiments.fleet --config=configs/studies/fleet.py[:small|:scale]
+
+scale: 256 replicas, 1,000,000 bursty requests at the default's rate per replica, routed
+by power of two choices (O(1) replicas read per request).
 """
 import ml_collections
 
@@ -15,6 +18,9 @@ def get_config(mode: str = ""):
   c.token_budget = 8192
   c.replicas = 8
   c.policies = ("round_robin", "least_loaded", "power_of_two", "prefix", "slo")
+  c.streams = ("sessions", "bursty")
+  c.autoscaling = True  # also the diurnal stream, fixed and autoscaled
+  c.workers = 0  # processes running the conditions (0: one per CPU; 1: in this process)
   c.balance_threshold = 2  # prefix: loads (requests) further apart than this go least-loaded
   c.seed = 0
   # agent sessions sharing a system prompt and their own history (8.3.3-like)
@@ -42,6 +48,13 @@ def get_config(mode: str = ""):
     c.autoscale.rate = 5.0
     c.autoscale.period_s = 120.0
     c.autoscale.max_replicas = 4
+  elif mode == "scale":  # the bursty stream's rate per replica, over 256 replicas
+    c.replicas = 256
+    c.policies = ("power_of_two",)
+    c.streams = ("bursty",)
+    c.autoscaling = False
+    c.bursty.num_requests = 1_000_000
+    c.bursty.rate = 40.0 * 256 / 8
   elif mode:
-    raise ValueError(f"unknown mode {mode!r}: '' or 'small'")
+    raise ValueError(f"unknown mode {mode!r}: '', 'small' or 'scale'")
   return c
