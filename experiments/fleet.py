@@ -47,7 +47,8 @@ def make_replicas(c, n: int) -> List:
   return out
 
 
-def make_stream(c, name: str) -> List:
+def make_stream(c, name: str, lazy: bool = False):
+  """The stream `name` as a list of Arrivals (lazy: bursty's made as they are read)."""
   if name == "sessions":
     s = c.sessions
     return streams.sessions(s.num_sessions, s.turns, s.rate, s.system_tokens, s.user_tokens,
@@ -59,7 +60,7 @@ def make_stream(c, name: str) -> List:
                         c.seed + 1)
     g = streams.lengths(b.num_requests, b.output_median, b.output_sigma, 1, b.output_max,
                         c.seed + 2)
-    return streams.independent(times, p, g, c.seed)
+    return (streams.iter_independent if lazy else streams.independent)(times, p, g, c.seed)
   raise ValueError(f"unknown stream {name!r}: 'sessions' or 'bursty'")
 
 
@@ -70,14 +71,14 @@ def _pct(xs, q):
 def summarize(reqs, fleet, wall_s: float) -> Dict:
   done = [r for r in reqs if r.state.value == "finished"]
   ttft = [r.ttft for r in done if r.ttft is not None]
-  itl = [x for r in done for x in r.itls]
+  itl = np.concatenate([np.diff(r.token_times) for r in done]) if done else []
   e2e = [r.latency for r in done if r.latency is not None]
-  prompt = sum(len(r.prompt_token_ids) for r in reqs)
+  prompt = sum(r.num_prompt_tokens for r in reqs)
   routed = np.asarray(fleet.routed, float)
   return {"requests": len(reqs), "finished": len(done),
           "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-          "itl_p50_ms": 1e3 * _pct(itl, 50) if itl else None,
-          "itl_p99_ms": 1e3 * _pct(itl, 99) if itl else None,
+          "itl_p50_ms": 1e3 * _pct(itl, 50) if len(itl) else None,
+          "itl_p99_ms": 1e3 * _pct(itl, 99) if len(itl) else None,
           "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
           "cache_hit_share": sum(r.cached_tokens for r in reqs) / prompt if prompt else 0.0,
           "routed": fleet.routed, "imbalance": float(routed.max() / routed.mean()),
@@ -90,9 +91,9 @@ def run_one(c, stream: str, policy: str) -> Dict:
   from jaxinfer.runtime.routing import make_policy
   replicas = make_replicas(c, c.replicas)
   fleet = Fleet(replicas, make_policy(policy, c.balance_threshold, seed=c.seed))
-  arrivals = make_stream(c, stream)
+  arrivals = make_stream(c, stream, lazy=True)
   t0 = time.perf_counter()
-  reqs = fleet.run(arrivals)
+  reqs = fleet.run(arrivals, compact=True)
   return dict(summarize(reqs, fleet, time.perf_counter() - t0), stream=stream, policy=policy)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import numpy as np
 
@@ -70,10 +70,17 @@ def _tokens(rng, n: int) -> List[int]:
 def independent(times, prompt_lens, output_lens, seed: int = 0,
                 deadline_s: Optional[float] = None) -> List[Arrival]:
   """Requests with unrelated prompts."""
+  return list(iter_independent(times, prompt_lens, output_lens, seed, deadline_s))
+
+
+def iter_independent(times, prompt_lens, output_lens, seed: int = 0,
+                     deadline_s: Optional[float] = None) -> Iterator[Arrival]:
+  """independent's requests, made one at a time as they are read (a million-request
+  stream is never held whole)."""
   rng = np.random.default_rng(seed)
-  return [Arrival(float(t), _tokens(rng, int(p)),
+  for t, p, g in zip(times, prompt_lens, output_lens):
+    yield Arrival(float(t), _tokens(rng, int(p)),
                   SamplingParams(max_tokens=int(g), ignore_eos=True), None, deadline_s)
-          for t, p, g in zip(times, prompt_lens, output_lens)]
 
 
 def sessions(num_sessions: int, turns: int, rate: float, system_tokens: int,

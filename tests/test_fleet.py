@@ -59,6 +59,28 @@ def test_fast_forward_keeps_every_timeline(stream, policy):
   assert fast.events < slow.events / 2, (fast.events, slow.events)
 
 
+def test_compact_run_keeps_every_requests_times():
+  """run(compact=True) on a lazily made stream keeps, for each finished request, exactly
+  the times and sizes the full Requests hold, and the study's summary is the same."""
+  from experiments.fleet import make_replicas, make_stream, summarize
+  from jaxinfer.runtime.fleet import Fleet, Served
+  from jaxinfer.runtime.routing import make_policy
+  c = _config()
+  c.bursty.num_requests = 80
+  full_fleet = Fleet(make_replicas(c, 2), make_policy("least_loaded"))
+  full = full_fleet.run(make_stream(c, "bursty"))
+  small_fleet = Fleet(make_replicas(c, 2), make_policy("least_loaded"))
+  small = small_fleet.run(make_stream(c, "bursty", lazy=True), compact=True)
+  assert all(isinstance(s, Served) for s in small) and len(small) == len(full) == 80
+  for f, s in zip(full, small):
+    assert (s.state, s.arrival_time, s.num_prompt_tokens, s.cached_tokens, s.finished_at,
+            s.ttft, s.latency) == (f.state, f.arrival_time, f.num_prompt_tokens,
+                                   f.cached_tokens, f.finished_at, f.ttft, f.latency)
+    assert s.token_times.tolist() == f.token_times
+  a, b = summarize(full, full_fleet, 1.0), summarize(small, small_fleet, 1.0)
+  assert a == b
+
+
 @pytest.mark.parametrize("reserve", ["end", "none"])
 def test_engine_fast_forward_equals_stepping(reserve):
   """One simulated engine with requests arriving over time, more than max_running at

@@ -16,7 +16,10 @@ import heapq
 import math
 from typing import Callable, Iterable, List, Optional, Sequence
 
+import numpy as np
+
 from jaxinfer.config import SamplingParams
+from jaxinfer.runtime.request import State, Timeline
 from jaxinfer.runtime.routing import RoutingPolicy, load
 
 
@@ -28,6 +31,24 @@ class Arrival:
   sampling: SamplingParams
   session: Optional[int] = None
   deadline_s: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Served(Timeline):
+  """What a fleet run with compact=True keeps of a finished request: its times and sizes,
+  not its tokens (a million requests' token lists do not fit in memory)."""
+  request_id: int
+  state: State
+  arrival_time: float
+  num_prompt_tokens: int
+  cached_tokens: int
+  token_times: np.ndarray
+  finished_at: Optional[float]
+
+  @classmethod
+  def of(cls, r) -> "Served":
+    return cls(r.request_id, r.state, r.arrival_time, r.num_prompt_tokens, r.cached_tokens,
+               np.asarray(r.token_times, np.float64), r.finished_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +170,11 @@ class Fleet:
     self.idle_since[i] = None
     return i, r
 
-  def run(self, arrivals: Iterable[Arrival]) -> List:
-    """Play `arrivals` (in time order) to the end; returns every request, in arrival
-    order (the replicas' Request objects, with their per-token times; kept here, since a
-    replica retains only its latest finished requests)."""
+  def run(self, arrivals: Iterable[Arrival], compact: bool = False) -> List:
+    """Play `arrivals` (in time order; any iterable, read as it goes) to the end; returns
+    every request, in arrival order: the replicas' Request objects, with their per-token
+    times (kept here, since a replica retains only its latest finished requests), or with
+    compact=True a `Served` for each request once it has finished."""
     stream = iter(arrivals)
     nxt = next(stream, None)
     order = []
@@ -183,8 +205,12 @@ class Fleet:
         heapq.heappush(busy, (e.now(), i))
         queued.add(i)
         continue
-      e.step()
+      events = e.step()
       self.steps += 1
+      if compact:
+        for ev in events:
+          if ev.finished:  # request ids are arrival indices
+            order[ev.request_id] = Served.of(order[ev.request_id])
       if e.has_unfinished():
         heapq.heappush(busy, (e.now(), i))
         queued.add(i)

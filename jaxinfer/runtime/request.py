@@ -36,8 +36,25 @@ _ALLOWED = {
 }
 
 
+class Timeline:
+  """Times of a request from its arrival_time, token_times and finished_at (a Request,
+  or what a fleet keeps of one)."""
+
+  @property
+  def ttft(self) -> Optional[float]:
+    return self.token_times[0] - self.arrival_time if len(self.token_times) else None
+
+  @property
+  def itls(self) -> List[float]:
+    return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+  @property
+  def latency(self) -> Optional[float]:
+    return None if self.finished_at is None else self.finished_at - self.arrival_time
+
+
 @dataclasses.dataclass(eq=False)
-class Request:
+class Request(Timeline):
   request_id: object
   prompt_token_ids: List[int]
   sampling: SamplingParams
@@ -96,6 +113,10 @@ class Request:
     return self.prompt_token_ids[start:] + self.output_token_ids[:end - P]
 
   @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_token_ids)
+
+  @property
   def num_tokens(self) -> int:
     return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -113,18 +134,6 @@ class Request:
   @property
   def in_prefill(self) -> bool:
     return not self.output_token_ids or self.num_pending > 1
-
-  @property
-  def ttft(self) -> Optional[float]:
-    return self.token_times[0] - self.arrival_time if self.token_times else None
-
-  @property
-  def itls(self) -> List[float]:
-    return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-  @property
-  def latency(self) -> Optional[float]:
-    return None if self.finished_at is None else self.finished_at - self.arrival_time
 
   @property
   def queueing(self) -> Optional[float]:
