@@ -43,7 +43,7 @@ def make_replicas(c, n: int) -> List:
     out.append(Engine(ex, SchedulerConfig("chunked", c.max_running, c.token_budget,
                                           c.token_budget, cache_key=(c.model, "", "bf16")),
                       buckets=BucketTable.default(c.token_budget, c.max_running, 4096),
-                      prefix_cache=True, max_retained_requests=64, max_step_records=256))
+                      prefix_cache=True, max_retained_requests=64, max_step_records=1))
   return out
 
 

@@ -48,7 +48,9 @@ def fast_forward(engine, until: float = math.inf) -> int:
   """Run the decode rounds that start before `until` in one event, where the batch cannot
   change (module doc); returns how many ran (0: call step() instead). The rounds emit no
   TokenEvents: this is for simulations that read the requests afterwards."""
-  if not _batch_fixed(engine):
+  # A stretch leaves its batch as fixed as it found it (its new pages are each request's
+  # own), so until the engine steps, adds or aborts, the check need not run again.
+  if engine._ff_checked != engine.steps.count and not _batch_fixed(engine):
     return 0
   ex, sch, pm = engine.executor, engine.scheduler, engine.pm
   run = list(sch.running)
@@ -71,16 +73,19 @@ def fast_forward(engine, until: float = math.inf) -> int:
   # computed past, and the pages a round adds are each request's own.
   shared, sharing = StepPlan([ScheduledSeq(r, c, 1) for r, c in zip(run, contexts)],
                              [], [], [], [], [], now, pm).shared
-  times = ex.decode_times(contexts, n, shared, sharing)
-  if times is None:
-    return 0
-  starts, ends, t = [], [], now
-  for d in times.tolist():  # the clock advances round by round, as step() adds them
-    if t >= until:
-      break
-    starts.append(t)
-    t = t + d
-    ends.append(t)
+  starts, ends, t, chunk = [], [], now, 8
+  while len(ends) < n and t < until:  # rounds in growing chunks: `until` may come soon
+    k = min(chunk, n - len(ends))
+    times = ex.decode_times([c + len(ends) for c in contexts], k, shared, sharing)
+    if times is None:
+      return 0
+    for d in times.tolist():  # the clock advances round by round, as step() adds them
+      if t >= until:
+        break
+      starts.append(t)
+      t = t + d
+      ends.append(t)
+    chunk *= 4
   m = len(ends)
   for r, c in zip(run, contexts):
     pm.grow(r.request_id, c + m)
@@ -91,6 +96,7 @@ def fast_forward(engine, until: float = math.inf) -> int:
   pm.complete_step(pm.begin_step([r.request_id for r in run]))
   _record(engine, run, contexts, starts, ends)
   engine._vclock = ends[-1]
+  engine._ff_checked = engine.steps.count
   return m
 
 
