@@ -1,6 +1,7 @@
 """The fleet simulator (jaxinfer/runtime/fleet.py, experiments/fleet.py): one replica
 equals one engine given the same stream up front; routing policies over simulated
 replicas; the request streams and trace readers."""
+import gc
 import json
 
 import numpy as np
@@ -61,7 +62,8 @@ def test_fast_forward_keeps_every_timeline(stream, policy):
 
 def test_compact_run_keeps_every_requests_times():
   """run(compact=True) on a lazily made stream keeps, for each finished request, exactly
-  the times and sizes the full Requests hold, and the study's summary is the same."""
+  the times and sizes the full Requests hold, and the study's summary is the same; the
+  run leaves no reference cycles (it runs with the cyclic collector paused)."""
   from experiments.fleet import make_replicas, make_stream, summarize
   from jaxinfer.runtime.fleet import Fleet, Served
   from jaxinfer.runtime.routing import make_policy
@@ -70,7 +72,9 @@ def test_compact_run_keeps_every_requests_times():
   full_fleet = Fleet(make_replicas(c, 2), make_policy("least_loaded"))
   full = full_fleet.run(make_stream(c, "bursty"))
   small_fleet = Fleet(make_replicas(c, 2), make_policy("least_loaded"))
+  gc.collect()
   small = small_fleet.run(make_stream(c, "bursty", lazy=True), compact=True)
+  assert gc.isenabled() and gc.collect() == 0  # run() pauses the collector: no cycles made
   assert all(isinstance(s, Served) for s in small) and len(small) == len(full) == 80
   for f, s in zip(full, small):
     assert (s.state, s.arrival_time, s.num_prompt_tokens, s.cached_tokens, s.finished_at,

@@ -12,6 +12,7 @@ its next request's arrival, as one engine's does.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import math
 from typing import Callable, Iterable, List, Optional, Sequence
@@ -175,6 +176,17 @@ class Fleet:
     every request, in arrival order: the replicas' Request objects, with their per-token
     times (kept here, since a replica retains only its latest finished requests), or with
     compact=True a `Served` for each request once it has finished."""
+    # The run makes no reference cycles (a 4,000-request run left none to collect), while
+    # the collector's passes over its millions of live objects took a third of its time.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+      return self._play(arrivals, compact)
+    finally:
+      if collecting:
+        gc.enable()
+
+  def _play(self, arrivals: Iterable[Arrival], compact: bool) -> List:
     stream = iter(arrivals)
     nxt = next(stream, None)
     order = []
