@@ -133,3 +133,44 @@ def test_property_cache_and_pages_stay_consistent(ops, policy, host):
       cache.fetch(m.nodes)
     pm.check_invariants(cache.owned_refs())
     assert cache.num_host_pages <= host
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["req", "hold", "release", "touch", "evict",
+                                               "fetch"]),
+                              st.integers(0, 5), st.integers(1, 3)), min_size=5, max_size=60),
+       host_pages=st.sampled_from([0, 3]))
+def test_lru_eviction_kept_across_calls_picks_what_a_scan_picks(ops, host_pages):
+  """The LRU candidates kept between evictions give, victim by victim, the least recently
+  used unlocked device leaf (the deepest among equals) that a scan of the whole tree
+  finds, whatever requests, locks, lookups and host fetches came between."""
+  pm = PageManager(24, 4)
+  cache = PrefixCache(pm, host_pages=host_pages)
+  prefixes = [list(range(100 * k, 100 * k + 8)) for k in range(3)]
+  held, n = [], 0
+  for op, a, b in ops:
+    tokens = prefixes[a % 3] + [1000 + a * 10 + j for j in range(4 * b + 1)]
+    if op == "req" and pm.num_available >= 8:
+      n += 1
+      _run_request(pm, cache, f"r{n}", tokens)
+    elif op == "hold":
+      m = cache.match(KEY, tokens)
+      cache.lock(m.nodes)
+      held.append(m.nodes)
+    elif op == "release" and held:
+      cache.unlock(held.pop(a % len(held)))
+    elif op == "touch":
+      cache.match(KEY, tokens)
+    elif op == "fetch":
+      m = cache.match(KEY, tokens)
+      cache.fetch([x for x in m.nodes if not x.on_device])
+    elif op == "evict":
+      for _ in range(b):
+        leaves = [x for x in cache._nodes() if cache._device_evictable(x)]
+        if not leaves:
+          assert cache.evict(1) == 0
+          break
+        want = min(leaves, key=lambda x: (cache._rank(x), id(x)))
+        assert cache.evict(1) == 1
+        assert not want.on_device
+    pm.check_invariants(cache.owned_refs())

@@ -99,6 +99,12 @@ class PrefixCache:
     self._now = 0  # logical clock: one tick per lookup / insert
     self.stats = CacheStats()
     self.pending_offloads: List[Tuple[int, int]] = []  # (device page, host slot)
+    # LRU eviction's candidates, kept across evictions: (rank, id, node) entries pushed
+    # when a node may have become evictable (a page placed, the last lock released, the
+    # last device child evicted). Ranks only grow, so an entry's rank is at most its node's;
+    # a popped entry whose node was touched since goes back at its rank, one whose node is
+    # no longer evictable is dropped. Rebuilt by a scan when stale entries pile up.
+    self._lru: List[Tuple[Tuple[int, int], int, Node]] = []
 
   # --- lookup ---------------------------------------------------------------------------
   def _root(self, key: CacheKey) -> Node:
@@ -155,6 +161,8 @@ class PrefixCache:
     for n in nodes:
       assert n.locks > 0
       n.locks -= 1
+      if not n.locks:
+        self._offer(n)
 
   def fetch(self, nodes: Sequence[Node]) -> Optional[List[Tuple[int, int]]]:
     """Bring host-tier nodes of a match back to device pages. Returns the (host slot,
@@ -168,6 +176,8 @@ class PrefixCache:
       copies.append((n.host_slot, p))
       self._host_free.append(n.host_slot)
       n.host_slot, n.page = None, p
+    for n in todo:
+      self._offer(n)
     self.stats.fetched_pages += len(todo)
     return copies
 
@@ -196,6 +206,7 @@ class PrefixCache:
         added += 1
       child.last_access = now
       node = child
+    self._offer(node)  # the path's last node (the ones above it have device children)
     self.stats.inserted_pages += added
     return added
 
@@ -232,6 +243,10 @@ class PrefixCache:
     t_f = self.fetch_time_per_page if self.host_capacity else 0.0
     return (p_h * (t_r - t_f) - self.maintenance_time) / self.page_mib
 
+  def _offer(self, n: Node) -> None:
+    if self.eviction == "lru" and self._device_evictable(n):
+      heapq.heappush(self._lru, (self._rank(n), id(n), n))
+
   def _rank(self, n: Node):
     if self.eviction == "lru":
       return (n.last_access, -n.depth)
@@ -239,17 +254,27 @@ class PrefixCache:
 
   def evict(self, num_pages: int) -> int:
     """Release up to num_pages device pages from unlocked leaves (offloading them to the
-    host tier when it has room). Returns pages released to the page manager.
-    One scan builds a heap of evictable leaves; a parent joins it once its last device
-    child is gone."""
+    host tier when it has room). Returns pages released to the page manager. Candidates
+    come from a heap of evictable leaves (LRU: kept across calls; value: built by one
+    scan, since every node's value changes with the clock); a parent joins it once its
+    last device child is gone."""
     if num_pages <= 0:
       return 0
-    heap = [(self._rank(n), id(n), n) for n in self._nodes() if self._device_evictable(n)]
-    heapq.heapify(heap)
+    lru = self.eviction == "lru"
+    if lru and len(self._lru) <= 2 * self.pm.num_pages + 1024:
+      heap = self._lru
+    else:
+      heap = [(self._rank(n), id(n), n) for n in self._nodes() if self._device_evictable(n)]
+      heapq.heapify(heap)
+      if lru:
+        self._lru = heap
     freed = 0
     while freed < num_pages and heap:
-      _, _, victim = heapq.heappop(heap)
+      rank, _, victim = heapq.heappop(heap)
       if not self._device_evictable(victim):
+        continue
+      if lru and rank != self._rank(victim):  # touched since: back at its rank
+        heapq.heappush(heap, (self._rank(victim), id(victim), victim))
         continue
       parent = victim.parent
       page = victim.page
