@@ -118,8 +118,8 @@ class Engine:
                                    executor.step_model)
     self.checks = RequestChecks(self)
     self.mask_time_s = 0.0  # host time spent filling structured-output token masks
-    self._ff_checked: Optional[int] = None  # steps.count when fast_forward last found the
-    #                                         batch fixed (runtime/fast_forward.py)
+    self._ff_batch: Optional[tuple] = None  # what fast_forward last found of a fixed batch
+    #                                         (runtime/fast_forward.py)
 
   # --- clock -------------------------------------------------------------------------------
   def now(self) -> float:
@@ -171,7 +171,7 @@ class Engine:
                 grammar=grammar)
     self.requests[request_id] = r
     self.scheduler.add(r)
-    self._ff_checked = None
+    self._ff_batch = None
     return r
 
   def validate_request(self, prompt_token_ids, sampling: SamplingParams) -> List[int]:
@@ -194,7 +194,7 @@ class Engine:
     if r is None or r.state.done:
       return False
     self.scheduler.abort(r, self.now())
-    self._ff_checked = None
+    self._ff_batch = None
     if self.tokenizer is not None:
       r.text = self.tokenizer.decode(r.output_token_ids)
     return True
@@ -235,7 +235,7 @@ class Engine:
       return
     self.scheduler.fail(r, now, msg)
     self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "error"))
-    self._ff_checked = None
+    self._ff_batch = None
 
   def _fail_non_finite(self, plan: StepPlan, finite: np.ndarray, now: float) -> None:
     """Fail the requests whose logits rows hold NaN or Inf. When each of them ran an

@@ -48,31 +48,40 @@ def fast_forward(engine, until: float = math.inf) -> int:
   """Run the decode rounds that start before `until` in one event, where the batch cannot
   change (module doc); returns how many ran (0: call step() instead). The rounds emit no
   TokenEvents: this is for simulations that read the requests afterwards."""
-  # A stretch leaves its batch as fixed as it found it (its new pages are each request's
-  # own), so until the engine steps, adds or aborts, the check need not run again.
-  if engine._ff_checked != engine.steps.count and not _batch_fixed(engine):
-    return 0
   ex, sch, pm = engine.executor, engine.scheduler, engine.pm
-  run = list(sch.running)
   now = engine.now()
+  if now >= until:
+    return 0
+  # A stretch leaves its batch as fixed as it found it (its new pages are each request's
+  # own, its shared prefix the same), so until the engine steps, adds or aborts, what the
+  # last stretch found still holds: (steps.count then, rounds left, shared prefix).
+  known = engine._ff_batch
+  if known is not None and known[0] != engine.steps.count:
+    known = None
+  if known is None and not _batch_fixed(engine):
+    return 0
+  run = sch.running
   if sch.waiting and len(run) < sch.config.max_running:
     first = sch.next_arrival()  # a round starting at or after it may admit it
     if first <= now:
       return 0
     until = min(until, first)
-  n = min(r.sampling.max_tokens - len(r.output_token_ids) for r in run) - 1
-  if n <= 0 or now >= until:
-    return 0
   contexts = [r.num_computed for r in run]
+  if known is not None:
+    _, n, shared, sharing = known
+  else:
+    n = min(r.sampling.max_tokens - len(r.output_token_ids) for r in run) - 1
+    # The shared prefix is the same in every round: its pages are whole pages each
+    # request computed past, and the pages a round adds are each request's own.
+    shared, sharing = StepPlan([ScheduledSeq(r, c, 1) for r, c in zip(run, contexts)],
+                               [], [], [], [], [], now, pm).shared
+  if n <= 0:
+    return 0
   if sch.config.reserve != "end":  # pages for every round must be reserved or free now
     need = sum(max(pm.pages_for(c + n) - len(pm.page_table(r.request_id)), 0)
                for c, r in zip(contexts, run))
     if need > pm.num_available:
       return 0
-  # The shared prefix is the same in every round: its pages are whole pages each request
-  # computed past, and the pages a round adds are each request's own.
-  shared, sharing = StepPlan([ScheduledSeq(r, c, 1) for r, c in zip(run, contexts)],
-                             [], [], [], [], [], now, pm).shared
   starts, ends, t, chunk = [], [], now, 8
   while len(ends) < n and t < until:  # rounds in growing chunks: `until` may come soon
     k = min(chunk, n - len(ends))
@@ -87,6 +96,7 @@ def fast_forward(engine, until: float = math.inf) -> int:
       ends.append(t)
     chunk *= 4
   m = len(ends)
+  run = list(run)
   for r, c in zip(run, contexts):
     pm.grow(r.request_id, c + m)
     r.num_computed = c + m
@@ -96,7 +106,7 @@ def fast_forward(engine, until: float = math.inf) -> int:
   pm.complete_step(pm.begin_step([r.request_id for r in run]))
   _record(engine, run, contexts, starts, ends)
   engine._vclock = ends[-1]
-  engine._ff_checked = engine.steps.count
+  engine._ff_batch = (engine.steps.count, n - m, shared, sharing)
   return m
 
 
