@@ -26,7 +26,7 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
 from jaxinfer.runtime.batcher import SeqWork, StepInput, bucket_for, pack
-from jaxinfer.runtime.fast_forward import fast_forward
+from jaxinfer.runtime.fast_forward import fast_forward, pending_end
 from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.records import StepLog, trim_requests
@@ -118,8 +118,7 @@ class Engine:
                                    executor.step_model)
     self.checks = RequestChecks(self)
     self.mask_time_s = 0.0  # host time spent filling structured-output token masks
-    self._ff_batch: Optional[tuple] = None  # what fast_forward last found of a fixed batch
-    #                                         (runtime/fast_forward.py)
+    self._ff_stretch = None  # decode rounds fast_forward planned (runtime/fast_forward.py)
 
   # --- clock -------------------------------------------------------------------------------
   def now(self) -> float:
@@ -171,7 +170,7 @@ class Engine:
                 grammar=grammar)
     self.requests[request_id] = r
     self.scheduler.add(r)
-    self._ff_batch = None
+    self._ff_stretch = None
     return r
 
   def validate_request(self, prompt_token_ids, sampling: SamplingParams) -> List[int]:
@@ -194,7 +193,7 @@ class Engine:
     if r is None or r.state.done:
       return False
     self.scheduler.abort(r, self.now())
-    self._ff_batch = None
+    self._ff_stretch = None
     if self.tokenizer is not None:
       r.text = self.tokenizer.decode(r.output_token_ids)
     return True
@@ -235,7 +234,7 @@ class Engine:
       return
     self.scheduler.fail(r, now, msg)
     self._failed.append(TokenEvent(r.request_id, -1, 0.0, now, True, "error"))
-    self._ff_batch = None
+    self._ff_stretch = None
 
   def _fail_non_finite(self, plan: StepPlan, finite: np.ndarray, now: float) -> None:
     """Fail the requests whose logits rows hold NaN or Inf. When each of them ran an
@@ -430,13 +429,19 @@ class Engine:
         return self._take_failed()
     return self.finish(f)
 
-  def fast_forward(self, until: float = math.inf) -> int:
+  def fast_forward(self, until: float = math.inf, plan: bool = True) -> int:
     """Simulated engines: run the plain decode rounds that start before `until` as one
     event while nothing can change the batch (runtime/fast_forward.py), leaving the
-    requests as step() would; returns the rounds run (0: step() is needed). Emits no
+    requests as step() would; returns the rounds run (0: step() is needed). Rounds
+    planned past `until` wait for the next call (plan=False: run only those). Emits no
     TokenEvents."""
     self._check_owner()
-    return fast_forward(self, until)
+    return fast_forward(self, until, plan)
+
+  def planned_until(self) -> float:
+    """The clock after the decode rounds fast_forward planned and has not run yet (now,
+    when none are)."""
+    return pending_end(self)
 
   def stream(self) -> Iterator[TokenEvent]:
     """Step until no work is left, yielding every event. If the consumer stops early (or an

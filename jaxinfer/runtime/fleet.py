@@ -76,6 +76,25 @@ class Autoscaler:
       raise ValueError("target_load must be > 0, down_fraction in (0, 1), cold_start_s >= 0")
 
 
+class _AsOf(list):
+  """Replicas as a routing policy sees them at time t: each one it reads is first brought
+  up to t (the decode rounds it planned that start before t are run), so the policy sees
+  what stepping every replica round by round up to t would show."""
+
+  def __init__(self, replicas, t: float):
+    super().__init__(replicas)
+    self.t = t
+
+  def __getitem__(self, i):
+    e = super().__getitem__(i)
+    e.fast_forward(self.t, plan=False)
+    return e
+
+  def __iter__(self):
+    for i in range(len(self)):
+      yield self[i]
+
+
 def cold_start_s(weight_bytes: float, link_bandwidth: float, warmup_s: float) -> float:
   """A new replica's start: its weights over the host link, then warm-up (compiles)."""
   return weight_bytes / link_bandwidth + warmup_s
@@ -105,7 +124,6 @@ class Fleet:
     self.events = 0  # replica advances: steps, and fast-forwarded stretches of rounds
     self.routed = [0] * len(self.replicas)
     self.placement: List[int] = []  # the replica of each request, in arrival order
-    self.steps = 0
     n = len(self.replicas)
     self.started = [0.0] * n  # when each replica was started (its cold start counts)
     self.ready_at = [0.0] * n
@@ -151,6 +169,11 @@ class Fleet:
     if self.timeline[-1][1] != len(self.live):
       self.timeline.append((t, len(self.live)))
 
+  @property
+  def steps(self) -> int:
+    """Steps (decode rounds included) the replicas have run."""
+    return sum(e.num_steps for e in self.replicas)
+
   def replica_seconds(self, end: float) -> float:
     """Replica time from each start to its release (or `end`)."""
     return sum((r if r is not None else end) - s for s, r in zip(self.started, self.released))
@@ -162,8 +185,9 @@ class Fleet:
       self._scale(a.time)
     ready = [i for i in self.live if self.ready_at[i] <= a.time] or self.live
     ids = list(a.prompt_token_ids)
-    i = ready[self.policy.choose(ids, [self.replicas[j] for j in ready])]
+    i = ready[self.policy.choose(ids, _AsOf([self.replicas[j] for j in ready], a.time))]
     e = self.replicas[i]
+    e.fast_forward(a.time, plan=False)
     r = e.add_request(ids, a.sampling, request_id=request_id, arrival_time=a.time,
                       deadline_s=a.deadline_s)
     self.policy.placed(e, ids)
@@ -190,10 +214,21 @@ class Fleet:
     stream = iter(arrivals)
     nxt = next(stream, None)
     order = []
-    busy = []  # heap of (clock, replica index) of the replicas with work
-    queued = set()
+    # Heap of (time, version, replica) for the replicas with work: when each next needs
+    # the loop (its clock, or the end of the decode rounds it planned); an entry whose
+    # version is not its replica's latest is stale.
+    busy = []
+    version = {}
     last = float("-inf")
+
+    def wake(i: int, t: float) -> None:
+      version[i] = version.get(i, 0) + 1
+      heapq.heappush(busy, (t, version[i], i))
+
     while nxt is not None or busy:
+      if busy and busy[0][1] != version.get(busy[0][2]):
+        heapq.heappop(busy)
+        continue
       if nxt is not None and (not busy or nxt.time <= busy[0][0]):
         if nxt.time < last:
           raise ValueError(f"arrivals must come in time order: {nxt.time} after {last}")
@@ -201,31 +236,27 @@ class Fleet:
         i, r = self._add(nxt, len(order))
         order.append(r)
         self.placement.append(i)
-        if i not in queued:
-          heapq.heappush(busy, (max(self.replicas[i].now(), nxt.time), i))
-          queued.add(i)
+        wake(i, max(self.replicas[i].now(), nxt.time))  # its planned rounds are dropped
         nxt = next(stream, None)
         continue
-      _, i = heapq.heappop(busy)
-      queued.discard(i)
+      _, _, i = heapq.heappop(busy)
+      version[i] += 1
       e = self.replicas[i]
       self.events += 1
       rounds = e.fast_forward(nxt.time if nxt is not None else math.inf) \
           if self.fast_forward else 0
-      if rounds:  # decode rounds that start before the next arrival, as one event
-        self.steps += rounds
-        heapq.heappush(busy, (e.now(), i))
-        queued.add(i)
+      if rounds:  # decode rounds that start before the next arrival, as one event; the
+        # rounds it planned past that arrival run when they are due or when the router
+        # looks at the replica (_AsOf), unless a request routed to it comes first
+        wake(i, e.planned_until())
         continue
       events = e.step()
-      self.steps += 1
       if compact:
         for ev in events:
           if ev.finished:  # request ids are arrival indices
             order[ev.request_id] = Served.of(order[ev.request_id])
       if e.has_unfinished():
-        heapq.heappush(busy, (e.now(), i))
-        queued.add(i)
+        wake(i, e.now())
       else:
         self.idle_since[i] = e.now()
     for i in self.draining:  # drained after the last arrival: released when they emptied
