@@ -38,11 +38,14 @@ def test_one_replica_fleet_equals_one_engine():
     assert g.finished_at == pytest.approx(w.finished_at, abs=1e-9)
 
 
-@pytest.mark.parametrize("stream,policy", [("bursty", "least_loaded"), ("sessions", "slo")])
+@pytest.mark.parametrize("stream,policy", [("bursty", "least_loaded"), ("sessions", "slo"),
+                                           ("bursty", "power_of_two"),
+                                           ("sessions", "round_robin")])
 def test_fast_forward_keeps_every_timeline(stream, policy):
-  """Replicas that run their plain decode rounds up to the next arrival as one event give
-  every request the same token times (exactly) and the router the same choices as
-  stepping round by round, in far fewer events."""
+  """Replicas that plan their plain decode rounds ahead and run them as events (up to an
+  arrival, when the router reads the replica, or when due) give every request the same
+  token times (exactly) and the router the same choices as stepping round by round, in
+  far fewer events; policies that read every replica, two of them or none."""
   from experiments.fleet import make_replicas, make_stream
   from jaxinfer.runtime.fleet import Fleet
   from jaxinfer.runtime.routing import make_policy
