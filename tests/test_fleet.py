@@ -214,3 +214,27 @@ def test_study_conditions_in_worker_processes_equal_in_process(tmp_path):
   assert strip(rows[2]) == strip(rows[1])
   assert [r["policy"] for r in rows[2]] == ["round_robin", "least_loaded", "prefix"]
   assert (tmp_path / "2" / "fleet.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["continuous", "deadline"])
+def test_one_replica_fleet_equals_the_goodput_study(mode):
+  """One replica fed the goodput study's simulated window (its engine, prompts, arrival
+  times and deadlines) finishes, or rejects, every request exactly when the goodput
+  study's own run does."""
+  from configs.studies.goodput import get_config
+  from experiments import goodput
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.runtime.fleet import Arrival, Fleet
+  from jaxinfer.runtime.routing import make_policy
+  c = get_config("sim")
+  offsets = goodput.arrival_times("poisson", 40.0, 48, seed=3)
+  want = goodput.run_sim_window(goodput.make_sim_engine(mode, c), c, mode, offsets)["requests"]
+  rng, n = np.random.default_rng(c.seed), len(c.sim_prompt_tokens)
+  arrivals = [Arrival(float(t), rng.integers(100, 100000, c.sim_prompt_tokens[i % n]).tolist(),
+                      SamplingParams(max_tokens=c.max_tokens, ignore_eos=True), None,
+                      c.deadline_s) for i, t in enumerate(offsets)]
+  got = Fleet([goodput.make_sim_engine(mode, c)], make_policy("round_robin")).run(arrivals)
+  assert [r.state.value for r in got] == [w["state"] for w in want]
+  assert [r.finished_at for r in got] == [w["finished_s"] for w in want]
+  if mode == "deadline":
+    assert any(w["state"] == "rejected" for w in want)
