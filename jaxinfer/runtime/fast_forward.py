@@ -51,7 +51,7 @@ class _Stretch:
 
   def __init__(self, engine, until: float):
     sch, pm = engine.scheduler, engine.pm
-    self._t0 = engine.now()
+    self.t0 = engine.now()  # when its first round starts
     self.run = list(sch.running)
     self.contexts = [r.num_computed for r in self.run]  # at the stretch's first round
     # Rounds up to the one in which the first request finishes (left to step()).
@@ -61,7 +61,7 @@ class _Stretch:
     # request computed past, and the pages a round adds are each request's own.
     self.shared, self.sharing = StepPlan(
         [ScheduledSeq(r, c, 1) for r, c in zip(self.run, self.contexts)], [], [], [], [], [],
-        engine.now(), pm).shared
+        self.t0, pm).shared
     self.starts, self.ends, self.applied, self.chunk = [], [], 0, 8
     self.count = engine.steps.count  # the engine's step count the stretch is valid at
 
@@ -80,7 +80,7 @@ class _Stretch:
                               self.shared, self.sharing)
       if times is None:
         return False
-      t = self.ends[-1] if self.ends else self._t0
+      t = self.ends[-1] if self.ends else self.t0
       for d in times.tolist():  # the clock advances round by round, as step() adds them
         if t >= self.until:
           self.n = len(self.ends)
