@@ -18,6 +18,7 @@ wall-second.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Dict, List
 
@@ -93,7 +94,12 @@ def run_one(c, stream: str, policy: str) -> Dict:
   fleet = Fleet(replicas, make_policy(policy, c.balance_threshold, seed=c.seed))
   arrivals = make_stream(c, stream, lazy=True)
   t0 = time.perf_counter()
-  reqs = fleet.run(arrivals, compact=True)
+
+  def progress(n: int, t: float) -> None:
+    print(f"[fleet] {stream} {policy}: {n:,} requests routed, {t:.0f} s simulated, "
+          f"{n / (time.perf_counter() - t0):.0f} per wall-second", file=sys.stderr, flush=True)
+
+  reqs = fleet.run(arrivals, compact=True, progress=progress)
   return dict(summarize(reqs, fleet, time.perf_counter() - t0), stream=stream, policy=policy)
 
 

@@ -195,22 +195,24 @@ class Fleet:
     self.idle_since[i] = None
     return i, r
 
-  def run(self, arrivals: Iterable[Arrival], compact: bool = False) -> List:
+  def run(self, arrivals: Iterable[Arrival], compact: bool = False,
+          progress: Optional[Callable[[int, float], None]] = None) -> List:
     """Play `arrivals` (in time order; any iterable, read as it goes) to the end; returns
     every request, in arrival order: the replicas' Request objects, with their per-token
     times (kept here, since a replica retains only its latest finished requests), or with
-    compact=True a `Served` for each request once it has finished."""
+    compact=True a `Served` for each request once it has finished. progress(requests
+    routed, simulated time) is called every 10,000 arrivals."""
     # The run makes no reference cycles (a 4,000-request run left none to collect), while
     # the collector's passes over its millions of live objects took a third of its time.
     collecting = gc.isenabled()
     gc.disable()
     try:
-      return self._play(arrivals, compact)
+      return self._play(arrivals, compact, progress)
     finally:
       if collecting:
         gc.enable()
 
-  def _play(self, arrivals: Iterable[Arrival], compact: bool) -> List:
+  def _play(self, arrivals: Iterable[Arrival], compact: bool, progress) -> List:
     stream = iter(arrivals)
     nxt = next(stream, None)
     order = []
@@ -236,6 +238,8 @@ class Fleet:
         i, r = self._add(nxt, len(order))
         order.append(r)
         self.placement.append(i)
+        if progress is not None and len(order) % 10_000 == 0:
+          progress(len(order), nxt.time)
         wake(i, max(self.replicas[i].now(), nxt.time))  # its planned rounds are dropped
         nxt = next(stream, None)
         continue
