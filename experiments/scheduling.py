@@ -43,19 +43,24 @@ def policy_config(policy: str, chunk: int, budget: int, max_running: int, cache_
 def sim_engine(policy: str, model: str, kv_budget_gib: float, chunk: int, budget: int,
                max_running: int, step_model: str = "affine", hardware: str = "rtx-pro-6000",
                kv_format: str = "bf16", bytes_per_param: float = 2.0, buckets=None):
-  """step_model: "affine" (8.2.2's fit of 8-1 at batch 1) or "roofline" (8.6.3's
-  calibrated roofline of `model` on `hardware`). buckets: charge every step at its
-  bucket's shape (padding included), as the real engine runs it; default: exact shapes."""
+  """step_model: "affine" (8.2.2's fit of 8-1 at batch 1), "roofline" (8.6.3's
+  calibrated roofline of `model` on `hardware`) or a step time model itself (an
+  AffineStepModel of other coefficients). buckets: charge every step at its bucket's shape
+  (padding included), as the real engine runs it; default: exact shapes."""
   from jaxinfer.costmodel import RooflineStepModel
   from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
   from jaxinfer.kv import bytes_per_token
   cfg = get_model_config(model)
   page = 16
   num_pages = int(kv_budget_gib * 2**30 // (bytes_per_token(cfg, kv_format) * page))
-  if step_model not in ("affine", "roofline"):
+  if isinstance(step_model, str) and step_model not in ("affine", "roofline"):
     raise ValueError(f"step_model must be 'affine' or 'roofline', got {step_model!r}")
-  sm = AffineStepModel() if step_model == "affine" else RooflineStepModel.for_names(
-      model, hardware, kv_format, page, bytes_per_param)
+  if not isinstance(step_model, str):
+    sm = step_model
+  elif step_model == "affine":
+    sm = AffineStepModel()
+  else:
+    sm = RooflineStepModel.for_names(model, hardware, kv_format, page, bytes_per_param)
   ex = SimExecutor(sm, num_pages=num_pages, page_size=page, pad_to_buckets=buckets is not None)
   buckets = buckets or BucketTable.default(max_tokens=16384, max_requests=64, max_pages=4096)
   return Engine(ex, policy_config(policy, chunk, budget, max_running, (cfg.name, "", kv_format)),

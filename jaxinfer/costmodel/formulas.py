@@ -8,6 +8,28 @@ MIB = 2**20
 GIB = 2**30
 
 
+# --- 8.1 a request's time -----------------------------------------------------------------
+def request_time(ttft: float, itl: float, output_tokens: int) -> float:
+  """8.1.3: T_request = TTFT + sum_j ITL_j over the G - 1 gaps (here all equal to itl)."""
+  return ttft + (output_tokens - 1) * itl
+
+
+def decode_throughput(batch: int, round_s: float) -> float:
+  """8.1.3: output tokens per second when each round of round_s gives batch tokens."""
+  return batch / round_s
+
+
+def compute_seconds(flops: float, peak_flops: float, mfu: float = 1.0) -> float:
+  """8.6.3 without measurements: a compute-bound phase takes FLOPs / (P x MFU)."""
+  return flops / (peak_flops * mfu)
+
+
+def read_seconds(nbytes: float, bandwidth: float, mbu: float = 1.0) -> float:
+  """8.6.3 without measurements: a read-bound round takes bytes / (beta x MBU); at
+  MBU = 1 the read floor (8.2.1's lower bound)."""
+  return nbytes / (bandwidth * mbu)
+
+
 # --- 8.2.1 weight reuse ------------------------------------------------------------------
 def bytes_per_round(d_w: float, batch: int, context: int, kv_bytes_per_token: float) -> float:
   """8.2.1: D(b, L) = D_w + b L k."""
@@ -137,6 +159,12 @@ def expected_tokens(acceptance: Sequence[float] | float, draft_len: int | None =
     prod *= a
     e += prod
   return e
+
+
+def acceptance_rate(p: Sequence[float], q: Sequence[float]) -> float:
+  """8.5.1: the chance a draft token x ~ q is accepted with probability min(1, p(x) / q(x)):
+  sum_x q(x) min(1, p(x) / q(x)) = sum_x min(p(x), q(x))."""
+  return sum(min(a, b) for a, b in zip(p, q))
 
 
 def time_per_token(round_times: Sequence[float], tokens: Sequence[int]) -> float:
