@@ -77,6 +77,7 @@ def get_config():
       ("8.2.3", "pairs_last_chunk", "4063488", "worked"),
       ("8.2.3", "pairs_ratio", "31", "worked"),
       ("8.2.3", "pairs_small_first", "10", "worked"),
+      ("8.2.3", "pairs_small_rectangle", "32", "worked"),
       ("8.2.3", "pairs_small_after", "42", "worked"),
       ("8.2.3", "matmul_growth_pct", "32", "worked"),
       ("8.2.3", "chunk_first_ms", "25.3", "gpu"),

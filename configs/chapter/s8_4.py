@@ -82,6 +82,7 @@ def get_config():
       ("8.4.2", "v41_state_mib", "9.531", "quoted"),
       ("8.4.2", "v4_state_mib", "30.521", "quoted"),
       ("8.4.2", "v4_over_v41", "3.20", "quoted"),
+      ("8.4.2", "v4_over_v41_global", "3.95", "quoted"),
       ("8.4.3", "ffn_set_mib", "288", "worked"),
       ("8.4.3", "offloaded_sets", "9", "worked"),
       ("8.4.3", "freed_mib", "2592", "worked"),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import List
 
+from experiments.batch_sweep import sim_sweep
 from experiments.chapter import Figure, fig
 from experiments.scheduling import late_queueing_ms, run_trace, sim_engine
 from experiments.workloads import ch8_2_4
 from jaxinfer.buckets import BucketTable
 from jaxinfer.config import get_model_config
-from jaxinfer.costmodel import ModelCosts, formulas, load_hardware
+from jaxinfer.costmodel import ModelCosts, RooflineStepModel, formulas, load_hardware
 from jaxinfer.costmodel.accounting import capacity
 from jaxinfer.costmodel.lora import adapter_bytes, parse_targets
 from jaxinfer.executors.sim_executor import AffineStepModel
@@ -79,6 +80,16 @@ def compute(i) -> List[Figure]:
       fig("8.2.1", "memory_b64_2k_gb", "weights + KV of 64 2K requests after one decode step",
           (costs.weight_bytes + b_hi * (short + 1) * k) / 1e9, "GB", "ModelCosts"),
   ]
+  # the batch sweep of experiment 8-1, simulated on the roofline calibrated on its table
+  src = "simulator, roofline on 8-1 (experiments.batch_sweep.sim_sweep)"
+  for row in sim_sweep([b_lo, b_hi], short, i.output_tokens):
+    b = row["batch"]
+    ttft = ("ms", 1e3 * row["ttft_s"]) if b == b_lo else ("s", row["ttft_s"])
+    figs += [fig("8.2.1", f"sweep_throughput_b{b}", f"batch {b}: output tokens per second",
+                 row["throughput_tok_s"], "tok/s", src),
+             fig("8.2.1", f"sweep_ttft_b{b}_{ttft[0]}", f"batch {b}: mean TTFT", ttft[1], ttft[0],
+                 src),
+             fig("8.2.1", f"sweep_itl_b{b}_ms", f"batch {b}: mean ITL", row["mean_itl_ms"], "ms", src)]
   for ctx in i.contexts:  # exercise 8-1
     for b in i.batches:
       figs.append(fig("ex8-1", f"ex1_read_per_token_{ctx}_b{b}_gib", f"d({b}, {ctx})",
@@ -123,6 +134,8 @@ def compute(i) -> List[Figure]:
   # 8.2.3
   pairs = formulas.chunk_pairs
   c, h = i.pair_chunk, i.pair_last_cached
+  roof = RooflineStepModel.for_names(i.model, i.hardware, i.kv_format, i.page_size,
+                                     i.weight_bytes_per_param)
   first = costs.step_flops([(c, 0)], sampled=0)
   last = costs.step_flops([(c, h)], sampled=0)
   figs += [
@@ -134,10 +147,20 @@ def compute(i) -> List[Figure]:
           "formulas.chunk_pairs"),
       fig("8.2.3", "pairs_small_first", "four tokens, no context", pairs(i.small_chunk, 0), "",
           "formulas.chunk_pairs"),
+      fig("8.2.3", "pairs_small_rectangle", "their pairs with the eight old tokens",
+          pairs(i.small_chunk, i.small_cached) - pairs(i.small_chunk, 0), "",
+          "formulas.chunk_pairs"),
       fig("8.2.3", "pairs_small_after", "four tokens after eight",
           pairs(i.small_chunk, i.small_cached), "", "formulas.chunk_pairs"),
       fig("8.2.3", "matmul_growth_pct", "the last chunk's FLOPs over the first's",
           100 * (last / first - 1), "%", "ModelCosts.step_flops"),
+      fig("8.2.3", "chunk_first_ms", "the first 512-token chunk, on the calibrated roofline",
+          1e3 * roof.step_time([(c, 0)], logits_rows=0), "ms", "RooflineStepModel.step_time"),
+      fig("8.2.3", "chunk_last_ms", "the last one", 1e3 * roof.step_time([(c, h)], logits_rows=0),
+          "ms", "RooflineStepModel.step_time"),
+      fig("8.2.3", "chunk_growth_pct", "last over first", 100 * (
+          roof.step_time([(c, h)], logits_rows=0) / roof.step_time([(c, 0)], logits_rows=0) - 1),
+          "%", "RooflineStepModel.step_time"),
       fig("8.2.3", "ffn_read_one_chunk_mib", "one layer's FFN read by one chunk",
           costs.ffn_bytes_per_layer / MIB, "MiB", "ModelCosts.ffn_bytes_per_layer"),
       fig("8.2.3", "ffn_read_two_chunks_mib", "read by two half chunks",

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import List
 
+import ml_collections
+import numpy as np
+
 from experiments.chapter import Figure, fig
+from experiments.preemption import measure_cancel, run_pool
+from experiments.prefix_reuse import SessionShape, run_session, sim_engine, summarize_run
 from jaxinfer.config import get_model_config
 from jaxinfer.costmodel import ModelCosts, formulas, load_hardware
 from jaxinfer.costmodel.accounting import account, account_branches, capacity, pages_for
@@ -19,6 +24,59 @@ def _prefix(i, costs, hw, tokens: int, link: float):
   flops = costs.step_flops([(tokens, 0)], sampled=0)
   return (nbytes, flops, formulas.compute_seconds(flops, hw.peak_flops, i.prefill_mfu),
           formulas.read_seconds(nbytes, link))
+
+
+def _preemption(i) -> List[Figure]:
+  """8.3.2's pools of 1 and 2 GiB on the simulator (experiments.preemption): the chapter
+  does not give its workload, so the study's stands in (the config's preempt_* fields)."""
+  c = ml_collections.ConfigDict({"sim_model": i.model, "num_requests": i.preempt_requests,
+                                 "input_tokens": i.preempt_input, "output_tokens": i.preempt_output})
+  small, large = (run_pool(c, g) for g in i.preempt_pools_gib)
+  src = "simulator (experiments.preemption.run_pool)"
+  return [fig("8.3.2", "preemption_extra_tokens", "extra tokens scheduled, smaller pool",
+              small["extra_scheduled_tokens"], "tokens", src),
+          fig("8.3.2", "preemption_extra_tokens_large_pool", "extra tokens scheduled, larger pool",
+              large["extra_scheduled_tokens"], "tokens", src)]
+
+
+def _cancel(i) -> List[Figure]:
+  """8.3.2's cancellation measured on this CPU (SmolLM2, experiments.preemption): a
+  request is cancelled while a step reading its pages is in flight."""
+  from jaxinfer.llm import LLM
+  c = ml_collections.ConfigDict({"cancel_prompt_tokens": i.cancel_prompt_tokens,
+                                 "cancel_batch": i.cancel_batch,
+                                 "cancel_repeats": i.cancel_repeats})
+  pages = -(-(i.cancel_prompt_tokens + 64) // 16)
+  llm = LLM(i.cancel_model, warmup=False, max_num_seqs=i.cancel_batch,
+            max_num_batched_tokens=512, num_pages=i.cancel_batch * pages + 16,
+            max_model_len=i.cancel_prompt_tokens + 64)
+  rows = measure_cancel(c, llm)
+  med = lambda k: float(np.median([r[k] for r in rows]))
+  src = "measured on this CPU (experiments.preemption.measure_cancel)"
+  return [fig("8.3.2", "cancel_return_ms", "abort() returns", med("abort_return_ms"), "ms", src),
+          fig("8.3.2", "cancel_freed_ms", "its pages free (the step in flight ends)",
+              med("pages_free_after_ms"), "ms", src),
+          fig("8.3.2", "cancel_blocks", "pages freed", med("freed_after_step"), "pages", src)]
+
+
+def _replay(i) -> List[Figure]:
+  """8.3.4's replay of 12 agent rounds with interfering requests, on the simulator with
+  the prefix cache (experiments.prefix_reuse's session: the chapter's own inputs are
+  attached data it does not print), in a large and a small pool."""
+  out = {}
+  for gib in i.replay_pools_gib:
+    eng = sim_engine(gib, 0)
+    out[gib] = summarize_run(eng, run_session(eng, SessionShape(), "append", i.replay_rounds))
+  big, small = (out[g] for g in i.replay_pools_gib)
+  src = "simulator with the prefix cache (experiments.prefix_reuse)"
+  return [fig("8.3.4", "replay_input_tokens", "the session's input tokens",
+              big["session_prompt_tokens"], "tokens", src),
+          fig("8.3.4", "replay_hit_tokens_6gib", "of them hit, large pool",
+              big["session_cached_tokens"], "tokens", src),
+          fig("8.3.4", "replay_recomputed_6gib", "recomputed, large pool",
+              big["session_prompt_tokens"] - big["session_cached_tokens"], "tokens", src),
+          fig("8.3.4", "replay_hit_tokens_1gib", "hit, small pool", small["session_cached_tokens"],
+              "tokens", src)]
 
 
 def compute(i) -> List[Figure]:
@@ -84,6 +142,7 @@ def compute(i) -> List[Figure]:
       fig("8.3.2", "fit_shared", "requests that fit, sharing", cap.requests_fit, "",
           "accounting.capacity"),
   ]
+  figs += _preemption(i) + (_cancel(i) if i.cpu_cancel else [])
   for b in i.exercise_requests:  # exercise 8-3: capacity for b long requests
     figs += [fig("ex8-3", f"ex3_independent_{b}_mib", f"{b} independent requests",
                  b * alone.kv_end_bytes / MIB, "MiB", "accounting.capacity"),
@@ -155,6 +214,7 @@ def compute(i) -> List[Figure]:
           1e3 * formulas.saving_per_mib(i.p_hit, b_tr, b_tf, b_tf, b_bytes), "ms/MiB",
           "formulas.saving_per_mib"),
   ]
+  figs += _replay(i)
   # exercise 8-4: A's hit probability below which three B save more; the same over Gen4
   p_switch = (i.num_b * vb + a_tf) / (a_tr - a_tf)
   vb4 = v(i.p_hit, b_tr, b_tf4, b_tf4)

@@ -71,7 +71,8 @@ def compute(i) -> List[Figure]:
   n3, n2 = i.tokens_per_round
   src = "formulas.time_per_token"
   figs += [
-      fig("8.5.3", "draft_weights_gb", "the draft's weights", draft_bytes / 1e9, "GB", ""),
+      fig("8.5.3", "draft_weights_gb", "the draft's weights", draft_bytes / 1e9, "GB",
+          "the draft's GiB in GB"),
       fig("8.5.3", "batch1_bandwidth_gbs", "15.44 GB in 26.26 ms", bw / 1e9, "GB/s",
           "formulas.bytes_per_round"),
       fig("8.5.3", "draft_forward_ms", "one forward of the draft", fwd, "ms", "formulas.read_seconds"),

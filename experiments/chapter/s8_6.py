@@ -2,9 +2,12 @@
 planner, Amdahl (configs/chapter/s8_6.py)."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import List
 
-from experiments.chapter import Figure, fig
+from experiments.chapter import ROOT, Figure, fig
+from experiments.goodput import run_study as goodput_study
 from jaxinfer.config import get_model_config
 from jaxinfer.costmodel import ModelCosts, formulas, load_hardware
 from jaxinfer.costmodel.select import evaluate
@@ -33,6 +36,53 @@ def _plan(i, output_tokens: int, budget_gib: float):
                               num_requests=i.num_requests, kv_budget_gib=budget_gib,
                               deadline_s=i.deadline_s)
           for v in _variants(i)}
+
+
+def _goodput(i) -> List[Figure]:
+  """8.6.2's experiment (8 questions, 3 s deadline, 1 / 4 / 16 req/s, three windows of 16)
+  on the simulator: experiments.goodput's :sim conditions, one task always answered wrong
+  as in the chapter's runs (its 42 errors were one task's)."""
+  path = os.path.join(ROOT, "configs", "studies", "goodput.py")
+  spec = importlib.util.spec_from_file_location("goodput_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config("sim")
+  c.processes = (i.goodput_process,)
+  c.modes = ("sequential", "continuous")
+  c.rates = tuple(i.goodput_rates)
+  c.sim_correct = tuple(j != i.goodput_wrong_task for j in range(len(c.sim_prompt_tokens)))
+  rows = {(r["mode"], r["rate"]): r for r in goodput_study(c)["summary"]}
+  lo, mid, hi = sorted(i.goodput_rates)
+  src = "simulator (experiments.goodput :sim)"
+  seq, cont = (lambda r, m=m: rows[(m, r)] for m in ("sequential", "continuous"))
+  return [
+      fig("8.6.2", "goodput_rate1", "goodput at 1 req/s, continuous", cont(lo)["goodput_rps"],
+          "req/s", src),
+      fig("8.6.2", "sequential_completion_rate4", "completion, sequential, 4 req/s",
+          seq(mid)["completion_rps"], "req/s", src),
+      fig("8.6.2", "sequential_goodput_rate4", "goodput, sequential, 4 req/s",
+          seq(mid)["goodput_rps"], "req/s", src),
+      fig("8.6.2", "continuous_completion_rate4", "completion, continuous, 4 req/s",
+          cont(mid)["completion_rps"], "req/s", src),
+      fig("8.6.2", "continuous_goodput_rate4", "goodput, continuous, 4 req/s",
+          cont(mid)["goodput_rps"], "req/s", src),
+      fig("8.6.2", "continuous_completion_rate16", "completion, continuous, 16 req/s",
+          cont(hi)["completion_rps"], "req/s", src),
+      fig("8.6.2", "continuous_goodput_rate16", "goodput, continuous, 16 req/s",
+          cont(hi)["goodput_rps"], "req/s", src),
+      fig("8.6.2", "goodput_drop_16_pct", "goodput lost from 4 to 16 req/s",
+          100 * (1 - cont(hi)["goodput_rps"] / cont(mid)["goodput_rps"]), "%", src),
+      fig("8.6.3", "joules_per_good_rate1", "energy per good result at the cap, continuous, 1/s",
+          cont(lo)["joules_per_good"], "J", src),
+      fig("8.6.3", "joules_per_good_rate4", "continuous, 4/s", cont(mid)["joules_per_good"], "J",
+          src),
+      fig("8.6.3", "joules_per_good_rate16", "continuous, 16/s", cont(hi)["joules_per_good"], "J",
+          src),
+      fig("8.6.3", "joules_per_good_sequential4", "sequential, 4/s", seq(mid)["joules_per_good"],
+          "J", src),
+      fig("8.6.3", "joules_rate16_over_rate4_pct", "16/s over 4/s",
+          100 * (cont(hi)["joules_per_good"] / cont(mid)["joules_per_good"] - 1), "%", src),
+  ]
 
 
 def compute(i) -> List[Figure]:
@@ -109,6 +159,8 @@ def compute(i) -> List[Figure]:
       fig("8.6.3", "d_memory_mib", "D's KV + draft", d.kv_mib, "MiB", sel),
       fig("8.6.3", "d_memory_gib", "D's KV + draft", d.kv_mib / 1024, "GiB", sel),
       fig("8.6.3", "b_total_s", "B, arrival to the last token", b.total_s, "s", sel),
+      fig("8.6.3", "b_measured_request_s", "B's request time (the planner's, beside the measured "
+          "median)", b.total_s, "s", sel),
       fig("8.6.3", "b_decode_s", "B's 255 rounds", b.rounds * b.round_ms / 1e3, "s", sel),
       fig("8.6.3", "c_total_s", "C", c.total_s, "s", sel),
       fig("8.6.3", "d_total_s", "D", d.total_s, "s", sel),
@@ -116,6 +168,7 @@ def compute(i) -> List[Figure]:
       fig("8.6.3", "d_joules_per_good", "its energy at the 600 W cap", d.joules_per_good, "J", sel),
       fig("8.6.3", "feasible_variants", "variants A-D within 12 GiB and 7 s", feasible(plan), "", sel),
   ]
+  figs += _goodput(i)
   small = _plan(i, i.output_tokens, i.small_budget_gib)
   short = _plan(i, i.short_output, i.kv_budget_gib)
   figs += [
