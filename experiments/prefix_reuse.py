@@ -137,7 +137,7 @@ def run_study(c, output_dir: str = "") -> dict:
   results = []
   for ex in c.executors:
     if ex == "sim":
-      shape = SessionShape()
+      shape = SessionShape(**c.session)
       for gib, host in c.sim_pools:
         for strat in c.strategies:
           eng = sim_engine(gib, int(host))
@@ -148,7 +148,7 @@ def run_study(c, output_dir: str = "") -> dict:
     else:
       from jaxinfer.loading import load_model
       m = load_model(c.model)
-      shape = SessionShape().scaled(c.jax_scale)
+      shape = SessionShape(**c.session).scaled(c.jax_scale)
       for pool_tokens, host in c.jax_pools:
         for strat in c.strategies:
           # warm-up replay (another seed) compiles the shapes the measured replay uses
@@ -164,7 +164,7 @@ def run_study(c, output_dir: str = "") -> dict:
     from jaxinfer.runtime.router import Router
     router = Router([sim_engine(c.dp_pool_gib, 0) for _ in range(c.dp_replicas)], routing)
     dp.append({"routing": routing, "replicas": c.dp_replicas, "sessions": c.dp_sessions,
-               **run_dp_sessions(router, SessionShape(), c.dp_sessions, c.rounds)})
+               **run_dp_sessions(router, SessionShape(**c.session), c.dp_sessions, c.rounds)})
     prog.step(f"sim dp={c.dp_replicas} {routing}")
   if output_dir:
     write_json(output_dir, "prefix_reuse.json", {"config": c.to_dict(), "results": results,

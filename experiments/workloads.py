@@ -8,14 +8,13 @@ import json
 import os
 from typing import Dict, List
 
-# chapter 8.2.2: r0 and r1 at t = 0 (2048 in; 8 and 2 out), r2 at 20 ms (8192 in, 2 out),
-# r3 at 30 ms (2048 in, 4 out); at most 2 requests run at once.
-CH8_2_2 = [
-    {"arrival_ms": 0.0, "input_tokens": 2048, "output_tokens": 8},
-    {"arrival_ms": 0.0, "input_tokens": 2048, "output_tokens": 2},
-    {"arrival_ms": 20.0, "input_tokens": 8192, "output_tokens": 2},
-    {"arrival_ms": 30.0, "input_tokens": 2048, "output_tokens": 4},
-]
+
+def ch8_2_2() -> List[Dict]:
+  """chapter 8.2.2's four requests, from configs/chapter/s8_2.py: r0 and r1 at t = 0
+  (2048 in; 8 and 2 out), r2 at 20 ms (8192 in, 2 out), r3 at 30 ms (2048 in, 4 out)."""
+  from experiments.chapter import load_config
+  return [{"arrival_ms": a, "input_tokens": n, "output_tokens": g}
+          for a, n, g in load_config("8.2").inputs.trace]
 
 
 def ch8_2_4(num_requests: int = 6, interval_ms: float = 80.0, input_tokens: int = 2048,
@@ -27,14 +26,12 @@ def ch8_2_4(num_requests: int = 6, interval_ms: float = 80.0, input_tokens: int 
            "output_tokens": output_tokens} for i in range(num_requests)]
 
 
-CH8_2_4 = ch8_2_4()
-
-WORKLOADS = {"ch8_2_2": CH8_2_2, "ch8_2_4": CH8_2_4}
+WORKLOADS = {"ch8_2_2": ch8_2_2, "ch8_2_4": ch8_2_4}
 
 
 def load_workload(name_or_path: str) -> List[Dict]:
   if name_or_path in WORKLOADS:
-    return [dict(r) for r in WORKLOADS[name_or_path]]
+    return WORKLOADS[name_or_path]()
   if os.path.isfile(name_or_path):
     with open(name_or_path) as f:
       trace = json.load(f)

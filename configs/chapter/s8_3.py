@@ -54,9 +54,16 @@ def get_config():
   i.num_b = 3
   i.p_hit = 0.5
   i.prefill_mfu = 0.62
-  # the 12-round agent replay: pools that keep and lose the prefix
+  # 8.3.4's replay of an agent: 12 rounds, 19,556 input tokens in all, the first rounds
+  # sharing a 206-token root (8.3.3), pools of 6 GiB and 1 GiB. The chapter prints neither
+  # the tool results' nor the replies' lengths: 185 and 40 make the session's input
+  # 19,542 tokens. Nor does it size the interfering requests; a 1 GiB pool (7,281 tokens)
+  # hit nothing, so between rounds they filled it: two of 4000 tokens a round.
   i.replay_rounds = 12
   i.replay_pools_gib = (6.0, 1.0)
+  i.replay_session = ml_collections.ConfigDict(dict(
+      system_tokens=206, result_tokens=185, reply_tokens=40, interfering=2,
+      interfering_tokens=4000))
   c.stated = (
       ("8.3.1", "whole_segment_slots", "64", "worked"),
       ("8.3.1", "paged_slots", "52", "worked"),

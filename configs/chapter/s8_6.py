@@ -40,6 +40,7 @@ def get_config():
   # 8.6.2's stream on the simulator: arrivals, rates; the task the chapter's runs always
   # got wrong (its 42 errors were one task's; which one it does not say)
   i.goodput_process = "poisson"
+  i.goodput_deadline_s = 3.0
   i.goodput_rates = (1.0, 4.0, 16.0)
   i.goodput_wrong_task = 4
   # Amdahl: a 100 s agent task, decode sped up 4x

@@ -4,14 +4,20 @@
 """
 import ml_collections
 
+from experiments.chapter import load_config
+
 
 def get_config(mode: str = ""):
   c = ml_collections.ConfigDict()
   c.executors = ("sim", "jax")
   c.strategies = ("append", "rewrite_head", "summarize")
   c.rounds = 12  # agent rounds per session
-  # sim (Qwen3-8B, RTX PRO 6000): (KV pool GiB, host-tier pages); 6 GiB keeps the
-  # session's prefix, 1 GiB loses part of it to the interfering requests.
+  # The session: the chapter's replay (configs/chapter/s8_3.py, replay_session);
+  # session=synthetic: the study's earlier shape (a 1000-token system prompt, 150-token
+  # results)
+  c.session = ml_collections.ConfigDict(dict(load_config("8.3").inputs.replay_session))
+  # sim (Qwen3-8B, RTX PRO 6000): (KV pool GiB, host-tier pages); the chapter's 6 GiB
+  # keeps the session's prefix, its 1 GiB loses it to the interfering requests
   c.sim_pools = ((6.0, 0), (1.0, 0), (1.0, 2000))
   # jax (SmolLM2 on this CPU, session scaled by jax_scale): (pool tokens, host pages)
   c.model = "smollm2-135m-instruct"
@@ -23,7 +29,13 @@ def get_config(mode: str = ""):
   c.dp_replicas = 4
   c.dp_sessions = 8
   c.dp_pool_gib = 6.0
-  if mode == "small":
+  synthetic = ml_collections.ConfigDict(dict(
+      system_tokens=1000, result_tokens=150, reply_tokens=40, interfering=2,
+      interfering_tokens=3000))
+  if mode == "synthetic":
+    c.session = synthetic
+  elif mode == "small":  # the synthetic shape: scaled 1/48, the chapter's has no full page
+    c.session = synthetic
     c.dp_replicas = 2
     c.dp_sessions = 3
     c.executors = ("jax",)
@@ -32,5 +44,5 @@ def get_config(mode: str = ""):
     c.jax_scale = 1 / 48
     c.jax_pools = ((1024, 0),)
   elif mode:
-    raise ValueError(f"unknown mode {mode!r}: '' or 'small'")
+    raise ValueError(f"unknown mode {mode!r}: '', 'synthetic' or 'small'")
   return c

@@ -66,7 +66,8 @@ def _replay(i) -> List[Figure]:
   out = {}
   for gib in i.replay_pools_gib:
     eng = sim_engine(gib, 0)
-    out[gib] = summarize_run(eng, run_session(eng, SessionShape(), "append", i.replay_rounds))
+    out[gib] = summarize_run(eng, run_session(eng, SessionShape(**i.replay_session), "append",
+                                               i.replay_rounds))
   big, small = (out[g] for g in i.replay_pools_gib)
   src = "simulator with the prefix cache (experiments.prefix_reuse)"
   return [fig("8.3.4", "replay_input_tokens", "the session's input tokens",

@@ -50,6 +50,7 @@ def _goodput(i) -> List[Figure]:
   c.processes = (i.goodput_process,)
   c.modes = ("sequential", "continuous")
   c.rates = tuple(i.goodput_rates)
+  c.deadline_s = i.goodput_deadline_s
   c.sim_correct = tuple(j != i.goodput_wrong_task for j in range(len(c.sim_prompt_tokens)))
   rows = {(r["mode"], r["rate"]): r for r in goodput_study(c)["summary"]}
   lo, mid, hi = sorted(i.goodput_rates)
