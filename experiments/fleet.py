@@ -17,6 +17,7 @@ wall-second.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -138,13 +139,79 @@ def run_autoscale(c, scaled: bool) -> Dict:
   return out
 
 
+def disagg_stream(c, name: str):
+  """One of c.disagg.streams: Poisson arrivals, lognormal prompt and output lengths."""
+  d = c.disagg.streams[name]
+  times = streams.arrival_times("poisson", d.rate, c.disagg.num_requests, c.seed)
+  p = streams.lengths(c.disagg.num_requests, d.prompt_median, 0.3, 16, 8 * d.prompt_median,
+                      c.seed + 1)
+  g = streams.lengths(c.disagg.num_requests, d.output_median, 0.3, 2, 8 * d.output_median,
+                      c.seed + 2)
+  return streams.independent(times, p, g, c.seed)
+
+
+def kv_transfer(c):
+  """The link a request's K/V crosses after prefill: c.disagg.link_gbs per direction."""
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.runtime.fleet import KVTransfer
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  return KVTransfer(rm.costs.kv_bytes_per_token, c.disagg.link_gbs * 1e9,
+                    c.disagg.link_latency_us * 1e-6)
+
+
+def run_disagg(c, stream: str, prefill: int) -> Dict:
+  """c.disagg.gpus replicas colocated (prefill = 0) or split into `prefill` prefill and
+  the rest decode replicas, both pools least-loaded, on one stream; SLO attainment: a
+  request finished with its TTFT and its mean inter-token time within the SLOs."""
+  from jaxinfer.runtime.fleet import Fleet
+  from jaxinfer.runtime.routing import make_policy
+  n = c.disagg.gpus
+  if prefill:
+    fleet = Fleet(make_replicas(c, prefill), make_policy("least_loaded"),
+                  decode_replicas=make_replicas(c, n - prefill),
+                  decode_policy=make_policy("least_loaded"), transfer=kv_transfer(c))
+  else:
+    fleet = Fleet(make_replicas(c, n), make_policy("least_loaded"))
+  t0 = time.perf_counter()
+  reqs = fleet.run(disagg_stream(c, stream), compact=True)
+  out = summarize(reqs, fleet, time.perf_counter() - t0)
+  ok = [r.state.value == "finished" and r.ttft is not None and r.ttft <= c.disagg.slo_ttft_s
+        and (len(r.token_times) < 2 or float(np.mean(np.diff(r.token_times)))
+             <= c.disagg.slo_tpot_ms / 1e3) for r in reqs]
+  tpot = [float(np.mean(np.diff(r.token_times))) for r in reqs if len(r.token_times) > 1]
+  out.update(stream=stream, prefill=prefill, decode=n - prefill if prefill else 0,
+             slo_attainment=float(np.mean(ok)), tpot_p99_ms=1e3 * _pct(tpot, 99),
+             goodput_per_gpu=sum(ok) / out["makespan_s"] / n,
+             transfer_ms=1e3 * float(np.mean(fleet.transfer_s)) if fleet.transfer_s else 0.0)
+  return out
+
+
+def plan_disagg(c, stream: str) -> Dict:
+  """The planner's split of c.disagg.gpus for the stream (costmodel.disagg)."""
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.costmodel.disagg import plan_split, suggest
+  d = c.disagg.streams[stream]
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  kv_tokens = int(c.kv_budget_gib * 2**30 // rm.costs.kv_bytes_per_token)
+  splits = plan_split(rm, c.disagg.gpus, d.rate, d.prompt_median, d.output_median,
+                      kv_transfer(c).seconds(d.prompt_median), c.max_running, kv_tokens)
+  best = suggest(splits, c.disagg.slo_ttft_s, c.disagg.slo_tpot_ms / 1e3)
+  return {"stream": stream, "suggested_prefill": best.prefill if best else None,
+          "splits": [dataclasses.asdict(x) for x in splits]}
+
+
 def _run(job):
   """One condition of the sweep (a worker process runs it when c.workers > 1)."""
   c, kind, a, b = job
+  if kind == "disagg":
+    return run_disagg(c, a, b)
   return run_one(c, a, b) if kind == "route" else run_autoscale(c, a)
 
 
 def _line(r: Dict) -> str:
+  if "prefill" in r:
+    return (f"{r['stream']} {r['prefill']}:{r['decode'] or 'colocated'}: SLO attainment "
+            f"{r['slo_attainment']:.2f}")
   if "mode" in r:
     return (f"{r['mode']}: {r['replica_hours']:.2f} replica-hours, TTFT p99 "
             f"{r['ttft_p99_s']:.2f} s")
@@ -159,6 +226,8 @@ def run_study(c, output_dir: str = "") -> Dict:
   jobs = [(c, "route", s, p) for s in c.streams for p in c.policies]
   if c.autoscaling:
     jobs += [(c, "scale", False, None), (c, "scale", True, None)]
+  if c.disaggregation:  # each stream colocated (0) and split n_p : gpus - n_p
+    jobs += [(c, "disagg", s, p) for s in c.disagg.streams for p in range(c.disagg.gpus)]
   prog = Progress(len(jobs), "fleet")
   workers = min(c.workers or os.cpu_count() or 1, len(jobs))
   out = []
@@ -174,12 +243,16 @@ def run_study(c, output_dir: str = "") -> Dict:
     for job in jobs:
       out.append(_run(job))
       prog.step(_line(out[-1]))
-  rows = [r for r in out if "mode" not in r]
+  rows = [r for r in out if "mode" not in r and "prefill" not in r]
   scaling = [r for r in out if "mode" in r]
-  res = {"config": c.to_dict(), "rows": rows, "autoscale": scaling}
+  res = {"config": c.to_dict(), "rows": rows, "autoscale": scaling,
+         "disagg": [r for r in out if "prefill" in r],
+         "disagg_plan": [plan_disagg(c, s) for s in c.disagg.streams] if c.disaggregation
+         else []}
   if output_dir:
     write_json(output_dir, "fleet.json", res)
     plot(res, os.path.join(output_dir, "fleet.png"))
+    plot_disagg(res, os.path.join(output_dir, "fleet_disagg.png"))
   return res
 
 
@@ -215,6 +288,48 @@ def plot(res: Dict, path: str) -> None:
   save(fig, path)
 
 
+def plot_disagg(res: Dict, path: str) -> None:
+  """Per stream: SLO attainment and TTFT / TPOT p99 against the prefill replicas of a
+  split, colocated as a line, the planner's suggestion marked."""
+  if not res.get("disagg"):
+    return
+  plt = pyplot()
+  names = list(dict.fromkeys(r["stream"] for r in res["disagg"]))
+  fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4), squeeze=False)
+  for ax, name in zip(axes[0], names):
+    rows = [r for r in res["disagg"] if r["stream"] == name]
+    col = next(r for r in rows if not r["prefill"])
+    split = [r for r in rows if r["prefill"]]
+    x = [r["prefill"] for r in split]
+    ax.plot(x, [r["slo_attainment"] for r in split], "o-", label="disaggregated")
+    ax.axhline(col["slo_attainment"], color="tab:gray", ls="--", label="colocated")
+    plan = next((p for p in res["disagg_plan"] if p["stream"] == name), None)
+    if plan and plan["suggested_prefill"]:
+      sp = plan["suggested_prefill"]
+      ax.plot([sp], [next(r["slo_attainment"] for r in split if r["prefill"] == sp)], "r*",
+              ms=14, label="planner's split")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(f"prefill replicas (of {res['config']['disagg']['gpus']} GPUs)")
+    ax.set_ylabel("SLO attainment")
+    d = res["config"]["disagg"]["streams"][name]
+    ax.set_title(f"{name}: {d['rate']:g} req/s, ~{d['prompt_median']} in / "
+                 f"~{d['output_median']} out", fontsize=9)
+    ax2 = ax.twinx()
+    ax2.plot(x, [r["ttft_p99_s"] for r in split], "s:", color="tab:orange", ms=4,
+             label="TTFT p99 (s)")
+    ax2.plot(x, [r["tpot_p99_ms"] / 1e3 for r in split], "^:", color="tab:green", ms=4,
+             label="TPOT p99 (s)")
+    ax2.set_yscale("log")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower center")
+  c = res["config"]
+  fig.suptitle(f"Colocated vs disaggregated at {c['disagg']['gpus']} GPUs: {c['model']} on "
+               f"{c['hardware']} (SLO: TTFT <= {c['disagg']['slo_ttft_s']} s, TPOT <= "
+               f"{c['disagg']['slo_tpot_ms']} ms)", fontsize=10)
+  save(fig, path)
+
+
 def print_table(res: Dict) -> None:
   c = res["config"]
   print(f"{c['replicas']} replicas of {c['model']} on {c['hardware']} (simulated)")
@@ -224,6 +339,20 @@ def print_table(res: Dict) -> None:
     print(f"{r['stream']:>9} {r['policy']:>13} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
           f"{r['itl_p99_ms']:>11.1f} {r['e2e_p99_s']:>8.2f} {r['cache_hit_share']:>5.2f} "
           f"{r['imbalance']:>6.2f} {r['sim_requests_per_wall_s']:>11.0f}")
+  if res.get("disagg"):
+    d = c["disagg"]
+    print(f"\n{d['gpus']} GPUs colocated or split prefill:decode (K/V over "
+          f"{d['link_gbs']} GB/s); SLO: TTFT <= {d['slo_ttft_s']} s and TPOT <= "
+          f"{d['slo_tpot_ms']} ms")
+    print(f"{'stream':>13} {'split':>9} {'SLO att.':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p99 ms':>12} {'ITL p99 ms':>11} {'good/s/GPU':>11} {'xfer ms':>8}")
+    for r in res["disagg"]:
+      split = f"{r['prefill']}:{r['decode']}" if r["prefill"] else "colocated"
+      print(f"{r['stream']:>13} {split:>9} {r['slo_attainment']:>9.3f} {r['ttft_p50_s']:>9.3f} "
+            f"{r['ttft_p99_s']:>9.3f} {r['tpot_p99_ms']:>12.1f} {r['itl_p99_ms']:>11.1f} "
+            f"{r['goodput_per_gpu']:>11.3f} {r['transfer_ms']:>8.2f}")
+    for p in res["disagg_plan"]:
+      print(f"planner, {p['stream']}: {p['suggested_prefill']} prefill replicas")
   if res.get("autoscale"):
     print(f"\ndiurnal stream ({c['autoscale']['policy']}), good = first token within "
           f"{c['slo_ttft_s']} s, {c['gpu_hour_price']} per replica-hour")

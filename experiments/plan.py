@@ -82,6 +82,12 @@ flags.DEFINE_list("tp", ["1", "2", "4"], "tp: tensor-parallel device counts")
 flags.DEFINE_float("memory_utilization", 0.9, "tp: share of each device's memory for weights "
                    "and KV (vLLM's gpu_memory_utilization)", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_string("variants", "", "select: variants config (default configs/plan_select.json)")
+flags.DEFINE_integer("gpus", 8, "disagg: GPUs to split into prefill and decode replicas")
+flags.DEFINE_float("rate", 12.0, "disagg: requests per second of --input_tokens in, "
+                   "--output_tokens out")
+flags.DEFINE_float("link_gbs", 50.0, "disagg: the link K/V cross after prefill, GB/s")
+flags.DEFINE_float("slo_ttft_s", 1.0, "disagg: TTFT objective")
+flags.DEFINE_float("slo_itl_ms", 40.0, "disagg: inter-token objective")
 flags.DEFINE_bool("json", False, "emit JSON")
 flags.DEFINE_string("output_dir", "", "write JSON and figures here")
 
@@ -473,7 +479,26 @@ def cmd_tp():
           "rows": rows}
 
 
-COMMANDS = {"capacity": cmd_capacity, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
+def cmd_disagg():
+  """Disaggregated serving: every split of --gpus into prefill and decode replicas for a
+  stream of --rate requests/s (--input_tokens in, --output_tokens out): the prefill
+  pool's utilisation and predicted TTFT (M/D/1 queueing + the K/V transfer over
+  --link_gbs), the decode replicas' steady batch (Little's law with the round time at
+  that batch) and ITL; the suggested split is the feasible one furthest inside both
+  objectives. experiments.fleet's disaggregated part checks it in the simulator."""
+  from jaxinfer.costmodel.disagg import plan_split, suggest
+  rm = _model()
+  L, G = FLAGS.input_tokens, FLAGS.output_tokens
+  transfer = L * rm.costs.kv_bytes_per_token / (FLAGS.link_gbs * 1e9)
+  kv_tokens = int(FLAGS.kv_budget_gib * 2**30 // rm.costs.kv_bytes_per_token)
+  splits = plan_split(rm, FLAGS.gpus, FLAGS.rate, L, G, transfer, kv_tokens=kv_tokens)
+  best = suggest(splits, FLAGS.slo_ttft_s, FLAGS.slo_itl_ms / 1e3)
+  return {"gpus": FLAGS.gpus, "rate": FLAGS.rate, "input_tokens": L, "output_tokens": G,
+          "transfer_ms": 1e3 * transfer, "suggested": f"{best.prefill}:{best.decode}"
+          if best else "none feasible", "splits": [dataclasses.asdict(x) for x in splits]}
+
+
+COMMANDS = {"capacity": cmd_capacity, "disagg": cmd_disagg, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
             "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora,
             "rates": cmd_rates, "weights": cmd_weights, "kv_format": cmd_kv_format,
             "snapshots": cmd_snapshots, "tp": cmd_tp}

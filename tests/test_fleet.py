@@ -238,3 +238,104 @@ def test_one_replica_fleet_equals_the_goodput_study(mode):
   assert [r.finished_at for r in got] == [w["finished_s"] for w in want]
   if mode == "deadline":
     assert any(w["state"] == "rejected" for w in want)
+
+
+def _disaggregated(c, prefill: int, decode: int, ff: bool = True, link_gbs: float = 50.0):
+  from experiments.fleet import make_replicas
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.runtime.fleet import Fleet, KVTransfer
+  from jaxinfer.runtime.routing import make_policy
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  return Fleet(make_replicas(c, prefill), make_policy("least_loaded"), fast_forward=ff,
+               decode_replicas=make_replicas(c, decode),
+               decode_policy=make_policy("least_loaded"),
+               transfer=KVTransfer(rm.costs.kv_bytes_per_token, link_gbs * 1e9, 20e-6))
+
+
+def test_disaggregated_request_prefills_then_decodes_after_its_transfer():
+  """One request: its first token comes from the prefill replica at the end of its
+  prefill step; its K/V cross the link (latency + bytes / bandwidth); the decode replica
+  imports them (its first step computes one token, not the prompt) and generates the rest
+  one round at a time; no replica recomputes anything."""
+  from experiments.fleet import make_replicas
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.runtime.fleet import Arrival
+  c = _config()
+  fleet = _disaggregated(c, 1, 1)
+  prompt = list(range(100, 1100))
+  (r,) = fleet.run([Arrival(0.5, prompt, SamplingParams(max_tokens=6, ignore_eos=True))])
+  rm = RooflineStepModel.for_names(c.model, c.hardware)
+  pre, dec = fleet.replicas
+  assert r.state.value == "finished" and len(r.token_times) == 6
+  assert r.ttft == pytest.approx(rm.step_time([(1000, 0)]), rel=1e-9)
+  xfer = 20e-6 + 1000 * rm.costs.kv_bytes_per_token / 50e9
+  assert fleet.transfer_s == [pytest.approx(xfer, rel=1e-12)]
+  # the decode replica: the first step computes token 1's K/V at context 1000, and each
+  # round after it one token more
+  gaps = np.diff(r.token_times)
+  assert gaps[0] == pytest.approx(xfer + rm.step_time([(1, 1000)]), rel=1e-9)
+  for k, g in enumerate(gaps[1:]):
+    assert g == pytest.approx(rm.step_time([(1, 1001 + k)]), rel=1e-9)
+  assert dec.num_steps == 5 and pre.num_steps == 1
+  assert fleet.routed == [1, 1] and r.num_prompt_tokens == 1000
+  # a fleet with no link to cross, or an imported count the prompt cannot hold: refused
+  with pytest.raises(ValueError, match="decode_policy and transfer"):
+    from jaxinfer.runtime.fleet import Fleet
+    from jaxinfer.runtime.routing import make_policy
+    Fleet(make_replicas(c, 1), make_policy("least_loaded"), decode_replicas=make_replicas(c, 1))
+  with pytest.raises(ValueError, match="imported_tokens"):
+    dec.add_request([1, 2, 3], SamplingParams(max_tokens=2), imported_tokens=3)
+
+
+def test_disaggregated_fast_forward_keeps_every_timeline():
+  """The decode pool's replicas run their rounds as events no further than a hand-off a
+  prefill replica could still make: the same token times as stepping every replica."""
+  from experiments.fleet import make_stream
+  c = _config()
+  c.bursty.num_requests = 150
+  runs = [_disaggregated(c, 2, 2, ff).run(make_stream(c, "bursty")) for ff in (False, True)]
+  assert len(runs[0]) == len(runs[1]) == 150
+  for a, b in zip(*runs):
+    assert a.state.value == b.state.value == "finished"
+    np.testing.assert_array_equal(a.token_times, b.token_times)
+
+
+def test_imported_kv_is_recomputed_after_a_preemption():
+  """A request whose prompt K/V were imported, preempted, recomputes its whole context
+  (the import is gone) and finishes with every token."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  eng = Engine(SimExecutor(AffineStepModel(), num_pages=14, page_size=16),  # 7 pages each
+               SchedulerConfig("chunked", 4, 256, 256, reserve="none"),
+               buckets=BucketTable.default(256, 4, 16))
+  sp = SamplingParams(max_tokens=60, ignore_eos=True)
+  a = eng.add_request(list(range(1, 101)), sp, imported_tokens=99)
+  b = eng.add_request(list(range(1, 101)), sp, imported_tokens=99)
+  eng.run()
+  assert a.state.value == b.state.value == "finished"
+  assert len(a.output_token_ids) == len(b.output_token_ids) == 60
+  victim = a if a.num_preemptions else b
+  assert victim.num_preemptions >= 1 and victim.imported_tokens == 0
+  assert victim.recomputed_tokens > 99  # the imported prompt, computed here this time
+
+
+def test_planner_split_and_the_disaggregated_study_small(tmp_path):
+  """costmodel.disagg's split of the GPUs for each stream, and the study's disaggregated
+  part at CI size: every split and the colocated fleet on each stream, the figure."""
+  from experiments.fleet import plan_disagg, run_study
+  c = _config(streams=(), autoscaling=False, workers=1)
+  for s in c.disagg.streams:
+    p = plan_disagg(c, s)
+    assert len(p["splits"]) == c.disagg.gpus - 1
+    assert p["suggested_prefill"] is None or 1 <= p["suggested_prefill"] < c.disagg.gpus
+  heavy = plan_disagg(c, "prompt_heavy")["splits"]
+  assert not heavy[0]["feasible"] and heavy[0]["prefill_utilisation"] > 1  # one can't keep up
+  res = run_study(c, str(tmp_path))
+  rows = res["disagg"]
+  assert len(rows) == len(c.disagg.streams) * c.disagg.gpus
+  assert all(r["finished"] == c.disagg.num_requests for r in rows)
+  assert (tmp_path / "fleet_disagg.png").stat().st_size > 10_000

@@ -36,6 +36,15 @@ def get_config(mode: str = ""):
       num_requests=6000, rate=10.0, amplitude=0.8, period_s=300.0, prompt_median=1024,
       output_median=128, min_replicas=1, max_replicas=8, target_load=16.0,
       down_fraction=0.5, warmup_s=20.0, policy="least_loaded"))
+  # disaggregated prefill / decode pools against colocated replicas at equal GPUs: one
+  # stream long in prompts, one long in outputs; every split n_p : gpus - n_p; K/V over a
+  # link of link_gbs per direction (400 Gb/s RDMA) after prefill
+  c.disaggregation = True
+  c.disagg = ml_collections.ConfigDict(dict(
+      gpus=8, num_requests=1500, link_gbs=50.0, link_latency_us=20.0, slo_ttft_s=1.0,
+      slo_tpot_ms=40.0, streams=dict(
+          prompt_heavy=dict(rate=12.0, prompt_median=4096, output_median=64),
+          decode_heavy=dict(rate=30.0, prompt_median=512, output_median=512))))
   c.slo_ttft_s = 2.0  # a good answer: finished, its first token within this
   c.gpu_hour_price = 2.0  # per replica-hour, for the cost per good answer
   if mode == "small":
@@ -48,11 +57,16 @@ def get_config(mode: str = ""):
     c.autoscale.rate = 5.0
     c.autoscale.period_s = 120.0
     c.autoscale.max_replicas = 4
+    c.disagg.gpus = 4
+    c.disagg.num_requests = 200
+    c.disagg.streams.prompt_heavy.rate = 6.0
+    c.disagg.streams.decode_heavy.rate = 13.0
   elif mode == "scale":  # the bursty stream's rate per replica, over 256 replicas
     c.replicas = 256
     c.policies = ("power_of_two",)
     c.streams = ("bursty",)
     c.autoscaling = False
+    c.disaggregation = False
     c.bursty.num_requests = 1_000_000
     c.bursty.rate = 40.0 * 256 / 8
   elif mode:

@@ -142,8 +142,11 @@ class Engine:
   def add_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None,
                   *, request_id=None, arrival_time: Optional[float] = None,
                   deadline_s: Optional[float] = None, priority: int = 0,
-                  prompt: Optional[str] = None) -> Request:
-    """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run."""
+                  prompt: Optional[str] = None, imported_tokens: int = 0) -> Request:
+    """Queue a request; raises RequestTooLargeError (and changes nothing) if it can never run.
+    imported_tokens: the prompt's first tokens whose K/V come with the request, computed
+    by another engine (a disaggregated prefill replica); a simulated executor only, since
+    nothing writes those pages here."""
     self._check_owner()
     sampling = sampling or SamplingParams()
     ids = self.validate_request(prompt_token_ids, sampling)
@@ -155,6 +158,14 @@ class Engine:
         raise ValueError(f"{name} must be a finite number or None, got {v!r}")
     if deadline_s is not None and deadline_s <= 0:
       raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    if imported_tokens:
+      if (isinstance(imported_tokens, bool) or not isinstance(imported_tokens, numbers.Integral)
+          or not 0 < imported_tokens < len(ids)):
+        raise ValueError(f"imported_tokens must be an integer in [0, {len(ids) - 1}] (the "
+                         f"prompt's last token is computed here), got {imported_tokens!r}")
+      if not self.executor.virtual_clock:
+        raise ValueError("imported_tokens needs a simulated executor: a real one would read "
+                         "K/V pages nothing wrote")
     if request_id is None:
       request_id = self._next_id
       self._next_id += 1
@@ -167,7 +178,7 @@ class Engine:
     r = Request(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                 arrival_time=self.now() if arrival_time is None else arrival_time,
                 deadline_s=deadline_s, priority=priority, seed=seed, prompt=prompt,
-                grammar=grammar)
+                grammar=grammar, imported_tokens=int(imported_tokens))
     self.requests[request_id] = r
     self.scheduler.add(r)
     self._ff_stretch = None

@@ -8,6 +8,12 @@ furthest behind (the smallest clock among those with work), and hands a request 
 router once every busy replica has reached its arrival time, so the router sees each
 replica as it stands at that moment (to within one step). An idle replica's clock jumps to
 its next request's arrival, as one engine's does.
+
+Disaggregated (DistServe, Splitwise, Mooncake): a prefill pool and a decode pool. A request
+arrives at a prefill replica, which computes its prompt's K/V and first token; its K/V then
+crosses a link (`KVTransfer`: latency + its bytes over the link's bandwidth) to a decode
+replica chosen by the decode pool's policy, which admits it with those K/V imported (no
+prefill there: Engine.add_request(imported_tokens=...)) and generates the rest.
 """
 from __future__ import annotations
 
@@ -76,6 +82,25 @@ class Autoscaler:
       raise ValueError("target_load must be > 0, down_fraction in (0, 1), cold_start_s >= 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class KVTransfer:
+  """A request's K/V moving from its prefill replica to its decode replica: latency + the
+  prompt's K/V bytes over the link (per direction; each transfer has the link to itself,
+  as with a NIC per device)."""
+  bytes_per_token: float  # of the KV format (kv.bytes_per_token)
+  link_bandwidth: float  # bytes / s
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    if self.bytes_per_token <= 0 or self.link_bandwidth <= 0 or self.latency_s < 0:
+      raise ValueError(f"KVTransfer needs bytes_per_token > 0, link_bandwidth > 0 and "
+                       f"latency_s >= 0, got {self.bytes_per_token}, {self.link_bandwidth}, "
+                       f"{self.latency_s}")
+
+  def seconds(self, tokens: int) -> float:
+    return self.latency_s + tokens * self.bytes_per_token / self.link_bandwidth
+
+
 class _AsOf(list):
   """Replicas as a routing policy sees them at time t: each one it reads is first brought
   up to t (the decode rounds it planned that start before t are run), so the policy sees
@@ -100,20 +125,40 @@ def cold_start_s(weight_bytes: float, link_bandwidth: float, warmup_s: float) ->
   return weight_bytes / link_bandwidth + warmup_s
 
 
+def _joined(a: Arrival, first, rest) -> Served:
+  """A disaggregated request's record: its prefill's first token and its decode's rest."""
+  last = rest if rest is not None else first
+  times = list(first.token_times) + (list(rest.token_times) if rest is not None else [])
+  return Served(first.request_id, last.state, a.time, first.num_prompt_tokens,
+                first.cached_tokens, np.asarray(times, np.float64), last.finished_at)
+
+
 class Fleet:
   """Replicas (Engines on virtual clocks) behind `policy`; `run(arrivals)` plays a stream.
   With `autoscaler`, `replicas` are the ones up at time 0 and `make_replica()` builds
   another. fast_forward: a replica that only decodes runs its rounds up to the next
-  arrival as one event (Engine.fast_forward; the same timelines as step by step)."""
+  arrival as one event (Engine.fast_forward; the same timelines as step by step).
+  decode_replicas (with decode_policy and transfer): disaggregated serving, `replicas`
+  being the prefill pool."""
 
   def __init__(self, replicas: Sequence, policy: RoutingPolicy,
                autoscaler: Optional[Autoscaler] = None,
                make_replica: Optional[Callable[[], object]] = None,
-               fast_forward: bool = True):
+               fast_forward: bool = True, decode_replicas: Sequence = (),
+               decode_policy: Optional[RoutingPolicy] = None,
+               transfer: Optional[KVTransfer] = None):
     if not replicas:
       raise ValueError("a fleet needs at least one replica")
     if autoscaler is not None and make_replica is None:
       raise ValueError("an autoscaled fleet needs make_replica to start replicas")
+    if decode_replicas and (decode_policy is None or transfer is None or autoscaler):
+      raise ValueError("a disaggregated fleet needs decode_policy and transfer (and scales "
+                       "neither pool)")
+    self.num_prefill = len(replicas)
+    self.decode_ids = list(range(len(replicas), len(replicas) + len(decode_replicas)))
+    self.decode_policy = decode_policy
+    self.transfer = transfer
+    replicas = list(replicas) + list(decode_replicas)
     self.replicas = list(replicas)
     for e in self.replicas:
       self._check(e)
@@ -129,9 +174,10 @@ class Fleet:
     self.ready_at = [0.0] * n
     self.released: List[Optional[float]] = [None] * n
     self.idle_since: List[Optional[float]] = [0.0] * n
-    self.live = list(range(n))  # replicas open to new requests
+    self.live = list(range(self.num_prefill))  # replicas open to new requests
     self.draining: List[int] = []  # replicas finishing their requests before release
     self.timeline = [(0.0, n)]  # (time, live replicas) at each change
+    self.transfer_s: List[float] = []  # disaggregated: each handed-off request's transfer
 
   @staticmethod
   def _check(e) -> None:
@@ -188,20 +234,37 @@ class Fleet:
     i = ready[self.policy.choose(ids, _AsOf([self.replicas[j] for j in ready], a.time))]
     e = self.replicas[i]
     e.fast_forward(a.time, plan=False)
-    r = e.add_request(ids, a.sampling, request_id=request_id, arrival_time=a.time,
+    sampling = dataclasses.replace(a.sampling, max_tokens=1) if self.decode_ids else a.sampling
+    r = e.add_request(ids, sampling, request_id=request_id, arrival_time=a.time,
                       deadline_s=a.deadline_s)
     self.policy.placed(e, ids)
     self.routed[i] += 1
     self.idle_since[i] = None
     return i, r
 
+  def _hand_off(self, a: Arrival, first, t: float, request_id):
+    """A prefilled request to the decode pool at t (its K/V arrived): (replica, Request)."""
+    ids = list(a.prompt_token_ids)
+    pool = [self.replicas[j] for j in self.decode_ids]
+    j = self.decode_ids[self.decode_policy.choose(ids, _AsOf(pool, t))]
+    e = self.replicas[j]
+    e.fast_forward(t, plan=False)
+    r = e.add_request(ids + first.output_token_ids,
+                      dataclasses.replace(a.sampling, max_tokens=a.sampling.max_tokens - 1),
+                      request_id=request_id, arrival_time=t, imported_tokens=len(ids))
+    self.decode_policy.placed(e, ids)
+    self.routed[j] += 1
+    self.idle_since[j] = None
+    return j, r
+
   def run(self, arrivals: Iterable[Arrival], compact: bool = False,
           progress: Optional[Callable[[int, float], None]] = None) -> List:
     """Play `arrivals` (in time order; any iterable, read as it goes) to the end; returns
     every request, in arrival order: the replicas' Request objects, with their per-token
     times (kept here, since a replica retains only its latest finished requests), or with
-    compact=True a `Served` for each request once it has finished. progress(requests
-    routed, simulated time) is called every 10,000 arrivals."""
+    compact=True a `Served` for each request once it has finished (a disaggregated run
+    always returns Served records: its prefill's and its decode's times joined).
+    progress(requests routed, simulated time) is called every 10,000 arrivals."""
     # The run makes no reference cycles (a 4,000-request run left none to collect), while
     # the collector's passes over its millions of live objects took a third of its time.
     collecting = gc.isenabled()
@@ -222,20 +285,63 @@ class Fleet:
     busy = []
     version = {}
     last = float("-inf")
+    # disaggregated: (time its K/V arrive, request id) of prefilled requests; each
+    # request's Arrival, and its prefill Request while its decode runs
+    split = self.num_prefill if self.decode_ids else None
+    handoffs, source, prefilled = [], {}, {}
 
     def wake(i: int, t: float) -> None:
       version[i] = version.get(i, 0) + 1
       heapq.heappush(busy, (t, version[i], i))
 
-    while nxt is not None or busy:
+    def incoming() -> float:  # the next arrival or hand-off
+      return min(nxt.time if nxt is not None else math.inf,
+                 handoffs[0][0] if handoffs else math.inf)
+
+    def horizon(i: int) -> float:
+      """How far replica i may run decode rounds as one event: to the next arrival or
+      hand-off, and a decode replica no further than the earliest hand-off a prefill
+      replica could still make (a step ending after its clock, then the link's latency)."""
+      t = incoming()
+      if split is not None and i >= split:
+        t = min([t] + [self.replicas[j].now() + self.transfer.latency_s
+                       for j in range(split) if self.replicas[j].has_unfinished()])
+      return t
+
+    def finished(i: int, k) -> None:
+      r = order[k]
+      if split is None:
+        if compact:  # request ids are arrival indices
+          order[k] = Served.of(r)
+        return
+      if i >= split:  # its decode ended: one record of both halves
+        order[k] = _joined(source.pop(k), prefilled.pop(k), r)
+      elif (r.state == State.FINISHED and r.finish_reason == "length"
+            and source[k].sampling.max_tokens > 1):
+        dt = self.transfer.seconds(r.num_prompt_tokens)
+        self.transfer_s.append(dt)
+        heapq.heappush(handoffs, (r.finished_at + dt, k))
+      else:  # done at its prefill (one token asked, a stop, a rejection)
+        order[k] = _joined(source.pop(k), r, None)
+
+    while nxt is not None or busy or handoffs:
       if busy and busy[0][1] != version.get(busy[0][2]):
         heapq.heappop(busy)
         continue
-      if nxt is not None and (not busy or nxt.time <= busy[0][0]):
+      t_in = incoming()
+      if t_in < math.inf and (not busy or t_in <= busy[0][0]):
+        if handoffs and (nxt is None or handoffs[0][0] <= nxt.time):
+          t, k = heapq.heappop(handoffs)
+          prefilled[k] = order[k]
+          j, order[k] = self._hand_off(source[k], prefilled[k], t, k)
+          wake(j, max(self.replicas[j].now(), t))
+          continue
         if nxt.time < last:
           raise ValueError(f"arrivals must come in time order: {nxt.time} after {last}")
         last = nxt.time
         i, r = self._add(nxt, len(order))
+        if split is not None:
+          source[len(order)] = nxt
         order.append(r)
         self.placement.append(i)
         if progress is not None and len(order) % 10_000 == 0:
@@ -247,18 +353,15 @@ class Fleet:
       version[i] += 1
       e = self.replicas[i]
       self.events += 1
-      rounds = e.fast_forward(nxt.time if nxt is not None else math.inf) \
-          if self.fast_forward else 0
+      rounds = e.fast_forward(horizon(i)) if self.fast_forward else 0
       if rounds:  # decode rounds that start before the next arrival, as one event; the
         # rounds it planned past that arrival run when they are due or when the router
         # looks at the replica (_AsOf), unless a request routed to it comes first
         wake(i, e.planned_until())
         continue
-      events = e.step()
-      if compact:
-        for ev in events:
-          if ev.finished:  # request ids are arrival indices
-            order[ev.request_id] = Served.of(order[ev.request_id])
+      for ev in e.step():
+        if ev.finished:
+          finished(i, ev.request_id)
       if e.has_unfinished():
         wake(i, e.now())
       else:

@@ -83,6 +83,9 @@ class Request(Timeline):
   num_preemptions: int = 0
   recomputed_tokens: int = 0  # extra tokens scheduled because of preemption
   cached_tokens: int = 0  # prompt tokens served by the prefix cache
+  # prompt tokens whose K/V arrive with the request, computed elsewhere (disaggregated
+  # serving: by a prefill replica); a preemption loses them, and they are recomputed
+  imported_tokens: int = 0
   prefix_nodes: list = dataclasses.field(default_factory=list)
   lora_slot: int = 0  # the device slot its adapter holds while it runs (0: no adapter)
   # Speculative decoding (8.5): drafts to verify next step, and per-position statistics.

@@ -355,7 +355,8 @@ class Scheduler:
         self.cache.unlock(nodes)
       return False
 
-    reserve = r.kv_tokens_at_end if cfg.reserve == "end" else hit + first_tokens(hit)
+    start = max(hit, r.imported_tokens)  # K/V already there: hit pages, or imported ones
+    reserve = r.kv_tokens_at_end if cfg.reserve == "end" else start + first_tokens(start)
     bound = self._window_pages(r)
     host = [n for n in nodes if not n.on_device]
     while True:
@@ -379,10 +380,18 @@ class Scheduler:
       for h in self.reservers:
         h.release(r)
       return give_up()
+    if start > hit:  # pages for the imported K/V, which the transfer writes
+      copies = pm.grow(r.request_id, start)
+      if copies is None:  # a sliding window's bound reserved fewer pages than they fill
+        pm.free(r.request_id)
+        for h in self.reservers:
+          h.release(r)
+        return give_up()
+      plan.copies.extend(copies)
     if m is not None:
       self.cache.record(m, len(r.all_token_ids))
     r.prefix_nodes = nodes
-    r.num_computed = hit
+    r.num_computed = start
     if r.sampling.lora and self.adapters is not None:
       r.lora_slot = self.adapters.acquire(r.sampling.lora)
     if not r.output_token_ids:
@@ -424,9 +433,10 @@ class Scheduler:
   def _preempt(self, r: Request, plan: StepPlan) -> None:
     """Free r's KV; it waits again and later recomputes prompt + outputs (8.3.2)."""
     self.running.remove(r)
-    r.recomputed_tokens += r.num_computed - r.cached_tokens
+    r.recomputed_tokens += r.num_computed - r.cached_tokens  # imported K/V included: lost
     self._release(r)
     r.num_computed = 0
+    r.imported_tokens = 0  # its K/V are gone: recomputed here
     r.num_preemptions += 1
     self.num_preemptions += 1
     self._memory_pressure = True
