@@ -204,7 +204,7 @@ def test_study_conditions_in_worker_processes_equal_in_process(tmp_path):
   (everything but the wall times), in condition order."""
   from experiments.fleet import run_study
   c = _config(policies=("round_robin", "least_loaded", "prefix"), streams=("bursty",),
-              autoscaling=False)
+              autoscaling=False, disaggregation=False)
   c.bursty.num_requests = 40
   rows = {}
   for workers in (1, 2):
@@ -327,7 +327,7 @@ def test_planner_split_and_the_disaggregated_study_small(tmp_path):
   """costmodel.disagg's split of the GPUs for each stream, and the study's disaggregated
   part at CI size: every split and the colocated fleet on each stream, the figure."""
   from experiments.fleet import plan_disagg, run_study
-  c = _config(streams=(), autoscaling=False, workers=1)
+  c = _config(streams=(), autoscaling=False, workers=2)
   for s in c.disagg.streams:
     p = plan_disagg(c, s)
     assert len(p["splits"]) == c.disagg.gpus - 1

@@ -96,7 +96,8 @@ def fig(section: str, key: str, what: str, value, unit: str = "", source: str = 
 
 
 def load_config(part: str, config_dir: str = CONFIG_DIR):
-  """configs/chapter/s8_N.py's get_config(): inputs (a ConfigDict) and the stated tuples."""
+  """The part's config (configs/chapter/s8_1.py for 8.1): get_config()'s inputs (a
+  ConfigDict) and the stated tuples."""
   path = os.path.join(config_dir, f"s{part.replace('.', '_')}.py")
   spec = importlib.util.spec_from_file_location(f"chapter_config_{part.replace('.', '_')}", path)
   mod = importlib.util.module_from_spec(spec)
@@ -161,7 +162,7 @@ def summary(figures: Sequence[Figure]) -> Dict:
     c["quoted"] = sum(f.kind == "quoted" for f in fs)
     c["computed_only"] = sum(f.kind == "computed" for f in fs)
     return c
-  parts = {p: counts([f for f in figures if _part_of(f.section) == p]) for p in PARTS}
+  parts = {p: counts([f for f in figures if part_of(f.section) == p]) for p in PARTS}
   off = [{"section": f.section, "key": f.key, "computed": f.value, "stated": f.stated,
           "rel_diff": f.rel_diff, "reason": f.reason or "unexplained"}
          for f in figures if f.kind == "worked" and f.band != "within_2pct"]
@@ -169,7 +170,7 @@ def summary(figures: Sequence[Figure]) -> Dict:
           "total": counts(figures), "beyond_2pct": off}
 
 
-def _part_of(section: str) -> str:
+def part_of(section: str) -> str:
   if section.startswith("ex"):
     return section[2:].split("-")[0] + "." + _EXERCISE_PART[section]
   return ".".join(section.split(".")[:2])

@@ -58,7 +58,7 @@ def render_markdown(figures, summ, command: str) -> str:
     lines += [f"| {r['section']} | {r['key']} | {_num(r['computed'])} | {r['stated']} | "
               f"{r['reason']} |" for r in summ["beyond_2pct"]]
   for part in chapter.PARTS:
-    fs = [f for f in figures if chapter._part_of(f.section) == part]
+    fs = [f for f in figures if chapter.part_of(f.section) == part]
     if not fs:
       continue
     lines += ["", f"## {part}", "", "| section | figure | computed | unit | chapter | diff | kind | "
