@@ -161,7 +161,8 @@ def test_no_comment_block_is_a_measurement_log():
 
 STUDY_FIGURES = ("batch_sweep", "scheduling_budget", "scheduling_jax_chunked", "prefix_reuse",
                  "kv_quality_fidelity", "kv_quality_grids", "goodput", "config_select",
-                 "buckets", "speculative", "offload", "lora", "moe_batching", "fleet")
+                 "buckets", "speculative", "offload", "lora", "moe_batching", "fleet",
+                 "fleet_disagg")
 
 
 def test_the_studies_page_shows_each_study_figure():
