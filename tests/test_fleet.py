@@ -339,3 +339,34 @@ def test_planner_split_and_the_disaggregated_study_small(tmp_path):
   assert len(rows) == len(c.disagg.streams) * c.disagg.gpus
   assert all(r["finished"] == c.disagg.num_requests for r in rows)
   assert (tmp_path / "fleet_disagg.png").stat().st_size > 10_000
+
+
+def test_slo_routing_counts_a_replicas_memory():
+  """Two replicas running the same requests, one with a pool whose free pages cannot hold
+  another prompt (admission reserves each request's K/V to its end): the predicted first
+  token there waits for running requests to finish and free pages, so the SLO-aware
+  policy routes to the other, where least outstanding tokens sees a tie."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.routing import make_policy, outstanding_tokens, predicted_first_token_s
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+
+  def replica(pages):
+    e = Engine(SimExecutor(AffineStepModel(), num_pages=pages, page_size=16),
+               SchedulerConfig("chunked", 8, 512, 512), buckets=BucketTable.default(512, 8, 64),
+               step_model=AffineStepModel())
+    for _ in range(2):
+      e.add_request(list(range(1, 257)), SamplingParams(max_tokens=200, ignore_eos=True),
+                    arrival_time=0.0)
+    e.step()  # both admitted and prefilled: each reserves 29 pages to its end
+    return e
+
+  tight, roomy = replica(64), replica(512)
+  assert outstanding_tokens(tight) == outstanding_tokens(roomy)
+  prompt = list(range(1, 257))
+  t_tight, t_roomy = (predicted_first_token_s(e, len(prompt)) for e in (tight, roomy))
+  assert t_tight > t_roomy + 100 * AffineStepModel().fixed_s  # ~200 rounds for a slot's pages
+  assert make_policy("slo").choose(prompt, [tight, roomy]) == 1
+  assert make_policy("least_loaded").choose(prompt, [tight, roomy]) == 0

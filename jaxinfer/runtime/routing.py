@@ -160,9 +160,11 @@ class SloAware(RoutingPolicy):
 
 def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   """Seconds until a request of `prompt_tokens` new prompt tokens would get its first
-  token on this replica, routed now, on the scheduler's step model: (1) a slot: when the
-  replica runs its most requests and others wait, it waits for as many running requests
-  to finish (the ones with the fewest outputs left, one decode round per output);
+  token on this replica, routed now, on the scheduler's step model: (1) a slot and its
+  memory: when the replica runs its most requests and others wait, or (admission
+  reserving each request's K/V to its end) its free pages do not hold the waiting
+  requests' and this prompt's, it waits for as many running requests to finish as free
+  enough of both (the ones with the fewest outputs left, one decode round per output);
   (2) the prompt backlog ahead of it (running and waiting requests' uncomputed prompt
   tokens) and its own prompt, through steps of at most the token budget, each also
   carrying the running decodes. Without a step model: the outstanding tokens (a unit of
@@ -176,9 +178,21 @@ def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   decodes = [(1, r.num_tokens) for r in s.running if r.num_pending <= 1]
   t = 0.0
   behind = len(s.waiting) + 1 - (cfg.max_running - len(s.running))
-  if behind > 0 and s.running:  # wait for that many running requests to finish
-    left = sorted(max(r.sampling.max_tokens - len(r.output_token_ids), 1) for r in s.running)
-    t += left[min(behind, len(left)) - 1] * model.step_time(decodes or [(1, 1)])
+  short = _pages_short(engine, prompt_tokens)
+  if (behind > 0 or short > 0) and s.running:  # wait for running requests to finish
+    # and free a slot each, and (reserve="end") the pages they hold to their end
+    ends = sorted((max(r.sampling.max_tokens - len(r.output_token_ids), 1),
+                   engine.pm.pages_for(r.kv_tokens_at_end) - len(r.prefix_nodes))
+                  for r in s.running)
+    k, freed = max(behind, 0), 0
+    for j, (_, pages) in enumerate(ends):
+      freed += pages
+      if freed >= short:
+        k = max(k, j + 1)
+        break
+    else:
+      k = len(ends)
+    t += ends[min(max(k, 1), len(ends)) - 1][0] * model.step_time(decodes or [(1, 1)])
   ahead = sum(r.num_pending for r in list(s.running) + list(s.waiting)
               if r.num_pending > 1) + prompt_tokens
   done = 0
@@ -187,6 +201,22 @@ def predicted_first_token_s(engine, prompt_tokens: int) -> float:
     t += model.step_time([(n, 0)] + decodes)
     done += n
   return t
+
+
+def _pages_short(engine, prompt_tokens: int) -> int:
+  """Pages the waiting requests' and a new prompt's admission would lack now, when the
+  scheduler reserves each request's K/V to its end (8.1): free pages not promised, and
+  the prefix cache's pages no running request holds, against what they reserve (the new
+  one: its prompt; its output length is not known here)."""
+  s = engine.scheduler
+  if s.config.reserve != "end":
+    return 0
+  pm = engine.pm
+  have = pm.num_available
+  if s.cache is not None:
+    have += s.cache.num_device_pages - sum(len(r.prefix_nodes) for r in s.running)
+  need = sum(pm.pages_for(r.kv_tokens_at_end) for r in s.waiting) + pm.pages_for(prompt_tokens)
+  return need - have
 
 
 def make_policy(name: str, balance_threshold: int = 8, seed: int = 0) -> RoutingPolicy:
