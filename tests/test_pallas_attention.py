@@ -148,3 +148,53 @@ def test_every_variant_lowers_to_triton(fmt, head_dim, heads, kv_heads, shape):
     lowered = jax.jit(f).trace(*_abstract_args(cfg, fmt, page_size)).lower(
         lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_sliding_window_and_score_cap_match_reference(fmt):
+  """A sliding window (traced, as a mixed layer scan passes it) and a score cap: the kernel
+  starts each slot at the page of its first query's first key in the window and masks
+  per row, equal to the reference; the pages wholly behind the window are poisoned (as a
+  released and reused page may be) and never read; a window longer than the context (a
+  global layer in a mixed scan) is full attention."""
+  rng = np.random.default_rng(0)
+  reqs = [(45, 1), (3, 1), (30, 9)]
+  args = make_case(rng, fmt, 8, 8, 2, 64, reqs)
+  q, kn, vn, pool, layer, pt, qs, ql, cl = args
+  window = 12
+  poison = {n: a for n, a in pool.items()}
+  for r, (cached, _) in enumerate(reqs):  # pages wholly behind the first query's window
+    for p in range(max(cached - window + 1, 0) // 8):
+      poison = {n: a.at[:, :, int(pt[r, p])].set(jnp.full_like(a[:, :, 0], np.nan)
+                                                 if a.dtype == jnp.float32 else a[:, :, 0])
+                for n, a in poison.items()}
+  if fmt == "f32":
+    args = (q, kn, vn, poison, layer, pt, qs, ql, cl)
+  clean = (q, kn, vn, pool, layer, pt, qs, ql, cl)
+
+  def run(impl, a, w, cap, **kw):
+    return np.asarray(jax.jit(lambda w, *a: impl(
+        *a, max_query_len=9, num_prefill_slots=1, window=w, softcap=cap, **kw))(
+        jnp.int32(w), *a))
+
+  outs = {}
+  for w, cap in ((window, 30.0), (window, None), (1 << 20, 5.0)):
+    ref = run(reference.ragged_paged_attention, clean, w, cap)
+    out = run(kernel.ragged_paged_attention, args if w == window else clean, w, cap,
+              pages_per_block=2, num_splits=2, interpret=True)
+    assert np.isfinite(out).all(), "a page behind the window was read"
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    outs[w, cap] = out
+  full = ref_attention(*clean, max_query_len=9, num_prefill_slots=1)
+  assert not np.allclose(full, outs[window, None])  # the window is real
+  assert not np.allclose(outs[window, 30.0], outs[window, None])  # and so is the cap
+
+
+def test_windowed_capped_variant_lowers_to_triton():
+  cfg = SMOLLM2_135M.replace(num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)
+  f = functools.partial(kernel.ragged_paged_attention, max_query_len=16, num_prefill_slots=1,
+                        interpret=False, num_splits=2, softcap=50.0)
+  lowered = jax.jit(lambda w, *a: f(*a, window=w)).trace(
+      jax.ShapeDtypeStruct((), jnp.int32), *_abstract_args(cfg, "bf16", 16)).lower(
+      lowering_platforms=("cuda",))
+  assert "__gpu$xla.gpu.triton" in lowered.as_text()

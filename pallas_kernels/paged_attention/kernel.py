@@ -69,12 +69,12 @@ def _load_chunk(fmt, refs, name, layer, kvh, page_ids, chunk, page_size):
 
 
 def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, names, G,
-            page_size, pages_per_block, pages_per_split, num_splits):
+            page_size, pages_per_block, pages_per_split, num_splits, windowed, softcap):
   n_in = len(names)
   refs = dict(zip(names, rest[:n_in]))
   o_ref, m_ref, l_ref = rest[n_in:]
   kvh, split = pl.program_id(0), pl.program_id(2)
-  cached, qlen = meta_ref[0], meta_ref[1]
+  cached, qlen, window = meta_ref[0], meta_ref[1], meta_ref[2]
   layer = layer_ref[0]
   RB, H = q_ref.shape
   QB = kn_ref.shape[0]
@@ -82,9 +82,12 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
   qs = [q_ref[:, pl.ds(c[0], c[1])].astype(jnp.float32) for c in chunks]
   rows = jnp.arange(RB, dtype=jnp.int32)
   row_ok = rows < qlen * G
+  qpos = cached + rows // G  # each row's query position
 
   def update(carry, logits, mask, vs):
     m_prev, l_prev, accs = carry
+    if softcap is not None:  # Gemma 2's score cap: cap * tanh(s / cap)
+      logits = softcap * jnp.tanh(logits / softcap)
     logits = jnp.where(mask, logits, _NEG)
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
     corr = jnp.exp(m_prev - m_next)
@@ -97,6 +100,11 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
   n_pages = (cached + page_size - 1) // page_size
   first = split * pages_per_split
   last = jnp.minimum(first + pages_per_split, n_pages)
+  if windowed:  # a sliding window: start at the block holding the first query's first
+    # key (pages wholly behind it may be released and reused); blocks stay aligned to the
+    # split's, so none reaches into the next split's pages
+    lo = jnp.maximum(cached - window + 1, 0) // page_size
+    first = jnp.maximum(first, first + (lo - first) // pages_per_block * pages_per_block)
   n_blocks = jnp.maximum(last - first + pages_per_block - 1, 0) // pages_per_block
 
   def body(i, carry):
@@ -104,6 +112,8 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
     page_ids = pt_ref[pl.ds(p0, pages_per_block)]
     pos = p0 * page_size + jnp.arange(BK, dtype=jnp.int32)
     key_ok = pos < cached
+    if windowed:  # keys behind every row's window hold stale data: V zeroed as well
+      key_ok &= pos > cached - window
     logits = jnp.zeros((RB, BK), jnp.float32)
     for q, c in zip(qs, chunks):
       k = _load_chunk(fmt, refs, "k", layer, kvh, page_ids, c, page_size)
@@ -112,6 +122,8 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
                     _load_chunk(fmt, refs, "v", layer, kvh, page_ids, c, page_size), 0.0)
           for c in chunks]
     mask = row_ok[:, None] & key_ok[None, :]
+    if windowed:
+      mask &= pos[None, :] > qpos[:, None] - window
     return update(carry, logits, mask, vs)
 
   carry = (jnp.full((RB,), _NEG, jnp.float32), jnp.zeros((RB,), jnp.float32),
@@ -123,6 +135,8 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
   j = jnp.arange(QB, dtype=jnp.int32)
   mask = (row_ok & last_split)[:, None] & (j[None, :] <= (rows // G)[:, None]) & (
       j[None, :] < qlen)
+  if windowed:
+    mask &= (cached + j)[None, :] > qpos[:, None] - window
   logits = jnp.zeros((RB, QB), jnp.float32)
   vs = []
   for q, c in zip(qs, chunks):
@@ -137,7 +151,8 @@ def _kernel(meta_ref, layer_ref, pt_ref, q_ref, kn_ref, vn_ref, *rest, fmt, name
 
 
 def _group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cached_len, Q,
-           scale, fmt, pages_per_block, num_splits, interpret, num_warps, num_stages):
+           scale, fmt, pages_per_block, num_splits, interpret, num_warps, num_stages,
+           window=None, softcap=None):
   """One group of request slots with up to Q new tokens each -> (out [R, Q, N, H], flat)."""
   T, N, H = q.shape
   K = k_new.shape[1]
@@ -157,14 +172,17 @@ def _group(q, k_new, v_new, pool, layer, page_table, query_start, query_len, cac
   per_split = -(-per_split // pb) * pb
   P_pad = _pow2(per_split * num_splits)
   pt = jnp.pad(page_table, ((0, 0), (0, P_pad - Pmax)))
-  meta = jnp.stack([cached_len, query_len, jnp.zeros_like(cached_len),
-                    jnp.zeros_like(cached_len)], axis=1).astype(jnp.int32)  # [R, 4]
+  win = jnp.zeros_like(cached_len) if window is None else \
+      jnp.broadcast_to(jnp.asarray(window, jnp.int32), cached_len.shape)  # a traced window
+  meta = jnp.stack([cached_len, query_len, win, jnp.zeros_like(cached_len)],
+                   axis=1).astype(jnp.int32)  # [R, 4]
   layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   names = sorted(pool)
   whole = lambda a: pl.BlockSpec(a.shape, lambda k, r, s, n=a.ndim: (0,) * n)  # noqa: E731
   kernel = functools.partial(_kernel, fmt=fmt, names=names, G=G, page_size=page_size,
                              pages_per_block=pb, pages_per_split=per_split,
-                             num_splits=num_splits)
+                             num_splits=num_splits, windowed=window is not None,
+                             softcap=None if softcap is None else float(softcap))
   kw = {}
   if not interpret:
     kw["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -200,13 +218,9 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
                            sm_scale=None, pages_per_block: int = 8, num_splits: int = 1,
                            q_precision: str = "compute", interpret=None, num_warps: int = 4,
                            num_stages: int = 2, window=None, softcap=None):
-  """See reference.ragged_paged_attention. interpret: None = interpret unless on a GPU.
-  Sliding windows and score caps are not in this kernel: such models run the xla or
-  reference backend."""
-  if window is not None or softcap is not None:
-    raise ValueError("the pallas attention backend has no sliding window or score cap "
-                     f"(window={window!r}, softcap={softcap!r}): use attention='xla' or "
-                     "'reference' for this model")
+  """See reference.ragged_paged_attention (window: an int32 scalar, may be traced; a
+  slot starts at the page of its first query's first key in the window; softcap: static).
+  interpret: None = interpret unless on a GPU."""
   for name, v in (("pages_per_block", pages_per_block), ("num_splits", num_splits)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -216,7 +230,7 @@ def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start
   def group(qr, scale, Q, meta):  # called after run_groups validated the pool
     fmt = kv_codec.get_format(kv_codec.pool_format(pool))
     return _group(qr, k_new, v_new, pool, layer, *meta, Q, scale, fmt, pages_per_block,
-                  num_splits, interpret, num_warps, num_stages)
+                  num_splits, interpret, num_warps, num_stages, window, softcap)
 
   return common.run_groups(q, k_new, v_new, pool, page_table, query_start, query_len,
                            cached_len, max_query_len=max_query_len,
