@@ -404,3 +404,24 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   assert m.cfg.family == name
   err = _logits_error(m, hf, _prompt())
   assert err < 1e-4, (name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_windowed_families_on_the_pallas_kernel_match_hf(name, tmp_path_factory):
+  """--attention=pallas (interpret mode here) on a sliding window in every layer (Mistral,
+  pages behind it released) and on windowed and global layers with score caps (Gemma 2),
+  a prompt longer than the window in chunks: HF's greedy tokens."""
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  d, hf = _hf_dir(name, tmp_path_factory)
+  m = load_model(d, "float32")
+  prompt = _prompt(3, 40)
+  want = _hf_greedy(hf, prompt, 6)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      query_sizes=(1, 4, 16))
+  llm = LLM.from_loaded(m, warmup=False, num_pages=16, page_size=8, buckets=table,
+                        attention="pallas", scheduler=SchedulerConfig("chunked", 4, 16, 16))
+  out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+  assert out.token_ids == want, name
