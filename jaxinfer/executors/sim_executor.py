@@ -11,14 +11,9 @@ from typing import Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from jaxinfer.costmodel.formulas import chunk_pairs as causal_pairs  # 8.2.3's N_pair
 from jaxinfer.executors.base import StepResult
 from jaxinfer.runtime.scheduler import StepPlan
-
-
-def causal_pairs(num_new: int, num_cached: int) -> int:
-  """8.2.3: N_pair = c*h + c(c+1)/2 (rectangle to the old context + causal triangle)."""
-  c, h = num_new, num_cached
-  return c * h + c * (c + 1) // 2
 
 
 class StepTimeModel(Protocol):
