@@ -328,6 +328,7 @@ def test_planner_split_and_the_disaggregated_study_small(tmp_path):
   part at CI size: every split and the colocated fleet on each stream, the figure."""
   from experiments.fleet import plan_disagg, run_study
   c = _config(streams=(), autoscaling=False, workers=2)
+  c.disagg.num_requests = 80
   for s in c.disagg.streams:
     p = plan_disagg(c, s)
     assert len(p["splits"]) == c.disagg.gpus - 1
