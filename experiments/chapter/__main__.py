@@ -100,8 +100,9 @@ def main(argv):
     print(f"{f.section:7} {f.key:34} {_num(f.value):>14} {f.unit:7} {f.stated or '-':>10} "
           f"{_diff(f):>9} {f.kind:8} {f.reason}")
   t = summ["total"]
+  share = f"{100 * t['share_within_2pct']:.1f}%" if t["worked"] else "-"
   print(f"\nworked figures: {t['worked']}: {t['within_2pct']} within 2% "
-        f"({100 * t['share_within_2pct']:.1f}%), {t['within_10pct']} within 10%, "
+        f"({share}), {t['within_10pct']} within 10%, "
         f"{t['beyond']} beyond, {t['missing']} not computed; {t['gpu']} GPU measurements and "
         f"{t['quoted']} quoted figures apart; {t['computed_only']} exercise answers",
         file=sys.stdout)
