@@ -264,7 +264,8 @@ def test_disaggregated_request_prefills_then_decodes_after_its_transfer():
   c = _config()
   fleet = _disaggregated(c, 1, 1)
   prompt = list(range(100, 1100))
-  (r,) = fleet.run([Arrival(0.5, prompt, SamplingParams(max_tokens=6, ignore_eos=True))])
+  (r,) = fleet.run([Arrival(0.5, prompt, SamplingParams(max_tokens=6, min_tokens=6,
+                                                        ignore_eos=True))])
   rm = RooflineStepModel.for_names(c.model, c.hardware)
   pre, dec = fleet.replicas
   assert r.state.value == "finished" and len(r.token_times) == 6

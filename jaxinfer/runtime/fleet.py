@@ -234,7 +234,10 @@ class Fleet:
     i = ready[self.policy.choose(ids, _AsOf([self.replicas[j] for j in ready], a.time))]
     e = self.replicas[i]
     e.fast_forward(a.time, plan=False)
-    sampling = dataclasses.replace(a.sampling, max_tokens=1) if self.decode_ids else a.sampling
+    sampling = a.sampling
+    if self.decode_ids:  # the prefill pool computes the prompt and the first token
+      sampling = dataclasses.replace(sampling, max_tokens=1,
+                                     min_tokens=min(sampling.min_tokens, 1))
     r = e.add_request(ids, sampling, request_id=request_id, arrival_time=a.time,
                       deadline_s=a.deadline_s)
     self.policy.placed(e, ids)
@@ -249,8 +252,10 @@ class Fleet:
     j = self.decode_ids[self.decode_policy.choose(ids, _AsOf(pool, t))]
     e = self.replicas[j]
     e.fast_forward(t, plan=False)
+    sp = a.sampling
     r = e.add_request(ids + first.output_token_ids,
-                      dataclasses.replace(a.sampling, max_tokens=a.sampling.max_tokens - 1),
+                      dataclasses.replace(sp, max_tokens=sp.max_tokens - 1,
+                                          min_tokens=max(sp.min_tokens - 1, 0)),
                       request_id=request_id, arrival_time=t, imported_tokens=len(ids))
     self.decode_policy.placed(e, ids)
     self.routed[j] += 1
