@@ -189,13 +189,12 @@ def run_disagg(c, stream: str, prefill: int) -> Dict:
 def plan_disagg(c, stream: str) -> Dict:
   """The planner's split of c.disagg.gpus for the stream (costmodel.disagg)."""
   from jaxinfer.costmodel import RooflineStepModel
-  from jaxinfer.costmodel.disagg import plan_split, suggest
+  from jaxinfer.costmodel.disagg import plan
   d = c.disagg.streams[stream]
-  rm = RooflineStepModel.for_names(c.model, c.hardware)
-  kv_tokens = int(c.kv_budget_gib * 2**30 // rm.costs.kv_bytes_per_token)
-  splits = plan_split(rm, c.disagg.gpus, d.rate, d.prompt_median, d.output_median,
-                      kv_transfer(c).seconds(d.prompt_median), c.max_running, kv_tokens)
-  best = suggest(splits, c.disagg.slo_ttft_s, c.disagg.slo_tpot_ms / 1e3)
+  splits, best = plan(RooflineStepModel.for_names(c.model, c.hardware), c.disagg.gpus, d.rate,
+                      d.prompt_median, d.output_median, kv_transfer(c).seconds(d.prompt_median),
+                      c.max_running, c.kv_budget_gib * 2**30, c.disagg.slo_ttft_s,
+                      c.disagg.slo_tpot_ms / 1e3)
   return {"stream": stream, "suggested_prefill": best.prefill if best else None,
           "splits": [dataclasses.asdict(x) for x in splits]}
 

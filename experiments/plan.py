@@ -86,6 +86,8 @@ flags.DEFINE_integer("gpus", 8, "disagg: GPUs to split into prefill and decode r
 flags.DEFINE_float("rate", 12.0, "disagg: requests per second of --input_tokens in, "
                    "--output_tokens out")
 flags.DEFINE_float("link_gbs", 50.0, "disagg: the link K/V cross after prefill, GB/s")
+flags.DEFINE_float("link_latency_us", 20.0, "disagg: that link's latency per transfer")
+flags.DEFINE_integer("max_running", 64, "disagg: the most requests a decode replica runs")
 flags.DEFINE_float("slo_ttft_s", 1.0, "disagg: TTFT objective")
 flags.DEFINE_float("slo_itl_ms", 40.0, "disagg: inter-token objective")
 flags.DEFINE_bool("json", False, "emit JSON")
@@ -359,10 +361,10 @@ def cmd_snapshots():
   --snapshot_interval tokens cost --snapshot_mib each per device."""
   rm = _model()
   m, every = FLAGS.match_tokens, FLAGS.snapshot_interval
-  restore = m // every * every
+  restore = F.snapshot_restore(m, every)
   rows = []
   for interval in sorted({every // 4, every // 2, every, every * 2} - {0}):
-    r = m // interval * interval
+    r = F.snapshot_restore(m, interval)
     rows.append({"interval": interval, "restore_from": r, "recompute_tokens": m - r,
                  "recompute_s": rm.prefill_time(1, m - r, r) if m > r else 0.0,
                  "snapshots_kept": m // interval,
@@ -484,22 +486,23 @@ def cmd_disagg():
   stream of --rate requests/s (--input_tokens in, --output_tokens out): the prefill
   pool's utilisation and predicted TTFT (M/D/1 queueing + the K/V transfer over
   --link_gbs), the decode replicas' steady batch (Little's law with the round time at
-  that batch) and ITL; the suggested split is the feasible one furthest inside both
-  objectives. experiments.fleet's disaggregated part checks it in the simulator."""
-  from jaxinfer.costmodel.disagg import plan_split, suggest
+  that batch) and ITL; the suggested split meets both objectives with its busier pool
+  least busy. experiments.fleet's disaggregated part checks it in the simulator."""
+  from jaxinfer.costmodel.disagg import plan
+  from jaxinfer.runtime.fleet import KVTransfer
   rm = _model()
   L, G = FLAGS.input_tokens, FLAGS.output_tokens
-  transfer = L * rm.costs.kv_bytes_per_token / (FLAGS.link_gbs * 1e9)
-  kv_tokens = int(FLAGS.kv_budget_gib * 2**30 // rm.costs.kv_bytes_per_token)
-  splits = plan_split(rm, FLAGS.gpus, FLAGS.rate, L, G, transfer, kv_tokens=kv_tokens)
-  best = suggest(splits, FLAGS.slo_ttft_s, FLAGS.slo_itl_ms / 1e3)
+  transfer = KVTransfer(rm.costs.kv_bytes_per_token, FLAGS.link_gbs * 1e9,
+                        FLAGS.link_latency_us * 1e-6).seconds(L)
+  splits, best = plan(rm, FLAGS.gpus, FLAGS.rate, L, G, transfer, FLAGS.max_running,
+                      FLAGS.kv_budget_gib * 2**30, FLAGS.slo_ttft_s, FLAGS.slo_itl_ms / 1e3)
   return {"gpus": FLAGS.gpus, "rate": FLAGS.rate, "input_tokens": L, "output_tokens": G,
           "transfer_ms": 1e3 * transfer, "suggested": f"{best.prefill}:{best.decode}"
           if best else "none feasible", "splits": [dataclasses.asdict(x) for x in splits]}
 
 
-COMMANDS = {"capacity": cmd_capacity, "disagg": cmd_disagg, "batch": cmd_batch, "prefix_value": cmd_prefix_value,
-            "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora,
+COMMANDS = {"capacity": cmd_capacity, "disagg": cmd_disagg, "batch": cmd_batch,
+            "prefix_value": cmd_prefix_value, "offload": cmd_offload, "spec": cmd_spec, "select": cmd_select, "lora": cmd_lora,
             "rates": cmd_rates, "weights": cmd_weights, "kv_format": cmd_kv_format,
             "snapshots": cmd_snapshots, "tp": cmd_tp}
 

@@ -33,8 +33,8 @@ def get_config():
   i.preempt_input = 2304
   i.preempt_output = 256
   # 8.3.2's cancellation (104 blocks freed) measured on this CPU: a request of ~100 pages
-  # cancelled while a step reading them runs (cpu_cancel=False skips it: it loads the
-  # real model and takes about a minute)
+  # cancelled while a step reading them runs (cpu_cancel=False skips it: it loads and
+  # compiles the real model)
   i.cpu_cancel = True
   i.cancel_model = "smollm2-135m-instruct"
   i.cancel_prompt_tokens = 1600

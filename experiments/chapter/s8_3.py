@@ -159,16 +159,16 @@ def compute(i) -> List[Figure]:
                   / slot, "pages", "accounting.capacity"))
 
   # 8.3.3
-  restore = i.match_tokens // i.snapshot_interval * i.snapshot_interval
+  restore = formulas.snapshot_restore(i.match_tokens, i.snapshot_interval)
   figs += [
       fig("8.3.3", "hit_tokens_left", "input left to prefill after a prefix hit",
           i.long_input - i.shared_prefix, "tokens", "accounting.capacity"),
       fig("8.3.3", "restore_from", "the latest snapshot at or before the match", restore,
-          "tokens", "experiments.plan snapshots"),
+          "tokens", "formulas.snapshot_restore"),
       fig("8.3.3", "recompute_tokens", "tokens recomputed from it", i.match_tokens - restore,
-          "tokens", "experiments.plan snapshots"),
+          "tokens", "formulas.snapshot_restore"),
       *[fig("8.3.3", f"snapshots_{m}_mib", f"{m} snapshots per card", m * i.snapshot_mib, "MiB",
-            "experiments.plan snapshots") for m in i.snapshot_counts],
+            "snapshots x the size of one") for m in i.snapshot_counts],
   ]
 
   # 8.3.4

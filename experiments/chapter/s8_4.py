@@ -9,7 +9,7 @@ from experiments.chapter import Figure, fig
 from jaxinfer.config import get_model_config
 from jaxinfer.costmodel import formulas, load_hardware
 from jaxinfer.costmodel.accounting import capacity
-from jaxinfer.costmodel.offload import OffloadConfig, account
+from jaxinfer.costmodel.offload import OffloadConfig, account, ffn_set_bytes
 from jaxinfer.kv import bytes_per_token
 
 MIB, GIB = 2**20, 2**30
@@ -113,12 +113,12 @@ def compute(i) -> List[Figure]:
   two = account(cfg, OffloadConfig.every_kth(cfg.num_layers, i.offload_every, 2), hw.link_bandwidth,
                 long_c.kv_after_prefill_bytes, long_c.kv_end_bytes)
   copied = one.freed_mib * MIB
-  pcie = formulas.read_seconds(copied, hw.link_bandwidth)
-  c2c = formulas.read_seconds(copied, fast.link_bandwidth)
+  pcie = one.copy_ms_per_step / 1e3  # formulas.offload_copy_time over the card's link
+  c2c = formulas.offload_copy_time(ffn_set_bytes(cfg), one.offloaded_sets, fast.link_bandwidth)
   step = max(pcie, i.decode_round_ms / 1e3)
   src = "costmodel.offload.account"
   figs += [
-      fig("8.4.3", "ffn_set_mib", "one layer's three FFN matrices", one.freed_mib / one.offloaded_sets,
+      fig("8.4.3", "ffn_set_mib", "one layer's three FFN matrices", ffn_set_bytes(cfg) / MIB,
           "MiB", "costmodel.offload.ffn_set_bytes"),
       fig("8.4.3", "offloaded_sets", "one layer in four", one.offloaded_sets, "", src),
       fig("8.4.3", "freed_mib", "freed", one.freed_mib, "MiB", src),

@@ -2,11 +2,9 @@
 planner, Amdahl (configs/chapter/s8_6.py)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import List
 
-from experiments.chapter import ROOT, Figure, fig
+from experiments.chapter import Figure, fig
 from experiments.goodput import run_study as goodput_study
 from jaxinfer.config import get_model_config
 from jaxinfer.costmodel import ModelCosts, formulas, load_hardware
@@ -42,11 +40,8 @@ def _goodput(i) -> List[Figure]:
   """8.6.2's experiment (8 questions, 3 s deadline, 1 / 4 / 16 req/s, three windows of 16)
   on the simulator: experiments.goodput's :sim conditions, one task always answered wrong
   as in the chapter's runs (its 42 errors were one task's)."""
-  path = os.path.join(ROOT, "configs", "studies", "goodput.py")
-  spec = importlib.util.spec_from_file_location("goodput_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("sim")
+  from configs.studies.goodput import get_config
+  c = get_config("sim")
   c.processes = (i.goodput_process,)
   c.modes = ("sequential", "continuous")
   c.rates = tuple(i.goodput_rates)

@@ -84,3 +84,13 @@ def suggest(splits: List[Split], slo_ttft_s: float, slo_itl_s: float) -> Optiona
   ok = [s for s in splits if s.feasible and s.ttft_s <= slo_ttft_s and s.itl_s <= slo_itl_s]
   return min(ok, key=lambda s: (max(s.prefill_utilisation, s.decode_utilisation), s.prefill),
              default=None)
+
+
+def plan(rm, gpus: int, rate: float, prompt_tokens: int, output_tokens: int, transfer_s: float,
+         max_running: int, kv_budget_bytes: float, slo_ttft_s: float, slo_itl_s: float):
+  """plan_split with each replica's KV from its budget, and suggest's choice: (splits,
+  the suggested split or None)."""
+  kv_tokens = int(kv_budget_bytes // rm.costs.kv_bytes_per_token)
+  splits = plan_split(rm, gpus, rate, prompt_tokens, output_tokens, transfer_s, max_running,
+                      kv_tokens)
+  return splits, suggest(splits, slo_ttft_s, slo_itl_s)

@@ -72,6 +72,13 @@ def chunk_pairs(chunk: int, cached: int, window: int = 0) -> int:
   return below + max(0, hi - max(lo, window + 1) + 1) * window
 
 
+# --- 8.3.3 recurrent-state snapshots ------------------------------------------------------
+def snapshot_restore(match_tokens: int, interval: int) -> int:
+  """8.3.3: a recurrent / hybrid model restores a prefix match from its latest snapshot
+  at or before it (snapshots every `interval` tokens) and recomputes the rest."""
+  return match_tokens // interval * interval
+
+
 # --- 8.3.4 prefix cache value ----------------------------------------------------------------
 def prefix_value(p_hit: float, t_recompute: float, t_fetch: float, t_maintain: float) -> float:
   """8.3.4: V_h = p_h (T_r - T_f) - T_m (expected seconds saved by keeping a prefix)."""

@@ -375,19 +375,18 @@ class Scheduler:
         for h in self.reservers[:i]:
           h.release(r)
         return give_up()
-    if not pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve,
-                           bound_pages=bound):
+    added = pm.add_sequence(r.request_id, [n.page for n in nodes], hit, reserve_tokens=reserve,
+                            bound_pages=bound)
+    # pages for imported K/V, which the transfer writes (None: a sliding window's bound
+    # reserved fewer pages than they fill)
+    copies = pm.grow(r.request_id, start) if added and start > hit else []
+    if not added or copies is None:
+      if added:
+        pm.free(r.request_id)
       for h in self.reservers:
         h.release(r)
       return give_up()
-    if start > hit:  # pages for the imported K/V, which the transfer writes
-      copies = pm.grow(r.request_id, start)
-      if copies is None:  # a sliding window's bound reserved fewer pages than they fill
-        pm.free(r.request_id)
-        for h in self.reservers:
-          h.release(r)
-        return give_up()
-      plan.copies.extend(copies)
+    plan.copies.extend(copies)
     if m is not None:
       self.cache.record(m, len(r.all_token_ids))
     r.prefix_nodes = nodes
