@@ -40,15 +40,19 @@ def check_backend(name: Union[str, AttentionSpec],
   return spec
 
 
-def write_kv(pool, ks, vs, page, offset, backend: Union[str, AttentionSpec] = "xla"):
+def write_kv(pool, ks, vs, page, offset, backend: Union[str, AttentionSpec] = "xla",
+             layout=None):
   """Write the step's K/V [L', T, K, H] of every layer run into the pool (once a step);
-  under tensor parallelism each device writes its own KV heads."""
+  under tensor parallelism each device writes its own KV heads. layout: the pool's
+  kv.KVLayout where its layers are grouped (page [G, T]: each group's pages)."""
+  import functools
   from jaxinfer.kv import write_tokens
+  write = functools.partial(write_tokens, layout=layout)
   spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
   if spec.tp is None or spec.tp.size == 1:
-    return write_tokens(pool, ks, vs, page, offset)
+    return write(pool, ks, vs, page, offset)
   ax = TP
-  return jax.shard_map(write_tokens, mesh=spec.tp.mesh,
+  return jax.shard_map(write, mesh=spec.tp.mesh,
                        in_specs=(P(None, ax), P(None, None, ax), P(None, None, ax), P(), P()),
                        out_specs=P(None, ax), check_vma=False)(pool, ks, vs, page, offset)
 

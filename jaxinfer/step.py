@@ -136,8 +136,7 @@ def _draft_step(params, pool, inputs, *, cfg, attn_shape, backend, num_layers,
   rewrites every layer there). Returns greedy draft tokens [S] and the pool."""
   x, ks, vs = transformer.hidden_states(params, pool, inputs, cfg, attn_shape=attn_shape,
                                         backend=backend, num_layers=num_layers)
-  pool = attention.write_kv(pool, ks, vs, inputs["write_page"], inputs["write_offset"],
-                           backend)
+  pool = transformer.write_step_kv(pool, ks, vs, inputs, cfg, backend)
   logits = transformer.lm_head(params, x[inputs["logits_idx"]], cfg)
   return _on_every_device(argmax(logits), backend), pool
 

@@ -21,7 +21,6 @@ import numpy as np
 
 from jaxinfer.step import sample_packed
 from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
-from jaxinfer.kv import write_tokens
 from jaxinfer.model import transformer
 from jaxinfer.model.params import unstack_layers
 
@@ -51,8 +50,7 @@ def _one_layer(x, p, i, tables, pool, batch, cfg, attn_shape, backend):
 
 def _head(params, pool, batch, x, ks, vs, cfg):
   x = transformer.final_norm(params, x, cfg)
-  pool = write_tokens(pool, jnp.stack(ks), jnp.stack(vs), batch["write_page"],
-                      batch["write_offset"])
+  pool = transformer.write_step_kv(pool, jnp.stack(ks), jnp.stack(vs), batch, cfg, "xla")
   logits = transformer.lm_head(params, x[batch["logits_idx"]], cfg)
   return sample_packed(logits, batch), pool
 

@@ -10,10 +10,18 @@ KV-head-major, so a request's gathered pages feed a dot batched over (head, requ
 without a transpose.
 Pools are allocated with zeros (jnp.empty is uninitialized on jax 0.11);
 attention masks stale positions, so a page's old contents never matter.
+
+A model that mixes sliding-window and full-attention layers (Gemma 2 / 3) has its layers
+split into groups of equal size, each with its own page tables (`KVLayout`): a page then
+holds one group's layers (L above is the group size), every group's pages come from the
+one pool, and a windowed group's pages behind its window go back to the pool while the
+full-attention group keeps the whole context (8.3.1's footprint, bounded by the window).
 """
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+import functools
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +31,61 @@ from pallas_kernels import kv_codec
 from pallas_kernels.kv_codec import KVFormat, get_format, pool_format
 
 KVPool = Dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """Which layers a page holds and which page table each layer reads.
+
+  slots: layers a page holds; groups: (window, layer ids) per page-table group (window
+  0: full attention); a layer's K/V sit at slot `slot_of[i]` of group `group_of[i]`'s pages.
+  One group of every layer (slots = L) is the plain layout.
+  """
+  slots: int
+  groups: Tuple[Tuple[int, Tuple[int, ...]], ...]
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.groups)
+
+  @property
+  def windows(self) -> Tuple[int, ...]:
+    return tuple(w for w, _ in self.groups)
+
+  @functools.cached_property
+  def group_of(self) -> Tuple[int, ...]:
+    out = {i: g for g, (_, ids) in enumerate(self.groups) for i in ids}
+    return tuple(out[i] for i in range(len(out)))
+
+  @functools.cached_property
+  def slot_of(self) -> Tuple[int, ...]:
+    out = {i: j for _, ids in self.groups for j, i in enumerate(ids)}
+    return tuple(out[i] for i in range(len(out)))
+
+
+@functools.lru_cache(maxsize=None)
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+  """The pool layout of a model (grouped_layout of its layers' windows; a latent
+  attention pool is never grouped)."""
+  return grouped_layout((0,) * cfg.num_layers if cfg.mla else cfg.windows)
+
+
+def grouped_layout(windows) -> KVLayout:
+  """One group of every layer, or, where layers of different windows mix (sliding and
+  full attention), groups of as many layers as the rarest kind has (vLLM's hybrid
+  allocator makes the same choice): Gemma 2's 21 + 21 layers are two groups of 21;
+  Gemma 3's 5:1 pattern over 26 layers (22 windowed, 4 full) is one full group of 4 and
+  six windowed groups of 4 (the last holds 2: its other slots stay unused). Full
+  attention's group comes first."""
+  L = len(windows)
+  kinds = sorted(set(windows))  # 0 (full attention) first
+  if len(kinds) == 1:
+    return KVLayout(L, ((windows[0], tuple(range(L))),))
+  members = {w: [i for i in range(L) if windows[i] == w] for w in kinds}
+  size = min(len(m) for m in members.values())
+  groups = tuple((w, tuple(m[j:j + size])) for w in kinds for m in (members[w],)
+                 for j in range(0, len(m), size))
+  return KVLayout(size, groups)
 
 
 def bytes_per_token(cfg: ModelConfig, kv_format: str = "bf16", page_size: int = 16) -> float:
@@ -42,15 +105,22 @@ def bytes_per_token(cfg: ModelConfig, kv_format: str = "bf16", page_size: int = 
   return per_token
 
 
+def page_bytes(cfg: ModelConfig, kv_format: str, page_size: int) -> float:
+  """Bytes of one page of the pool: page_size tokens of the layers a page holds (all of
+  them, or one group's: kv_layout)."""
+  share = kv_layout(cfg).slots / cfg.num_layers
+  return bytes_per_token(cfg, kv_format, page_size) * page_size * share
+
+
 def pool_bytes(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int) -> int:
-  return int(round(bytes_per_token(cfg, kv_format, page_size) * num_pages * page_size))
+  return int(round(page_bytes(cfg, kv_format, page_size) * num_pages))
 
 
 def allocate_pool(cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int,
                   device=None) -> KVPool:
   fmt = get_format(kv_format)
   kv_codec.check_head_dim(fmt, cfg.cache_dim)
-  L, K, H = cfg.num_layers, cfg.cache_heads, cfg.cache_dim
+  L, K, H = kv_layout(cfg).slots, cfg.cache_heads, cfg.cache_dim
   shape = (L, K, num_pages, page_size, fmt.code_dim(H))
   parts = ("k",) if cfg.mla else ("k", "v")  # MLA: the latent is key and value
   pool = {}
@@ -106,17 +176,30 @@ def _write_one(pool, name, fmt: KVFormat, x, page_ids, offsets):
     pool[name + "_gs"] = gs.at[:L, :, page_ids, offsets].set(s.swapaxes(1, 2), mode="drop")
 
 
-def write_tokens(pool: KVPool, k, v, page_ids, offsets) -> KVPool:
+def write_tokens(pool: KVPool, k, v, page_ids, offsets, layout: KVLayout | None = None
+                 ) -> KVPool:
   """Store new tokens' K/V [L, T, K, H] at pages/offsets [T] (page id >= num_pages: skip).
 
-  One scatter per component per step, into the donated pool (measured: writing a
-  stacked pool from every layer copies it; writing once per step does not).
+  One scatter per component per step (per layer group), into the donated pool (measured:
+  writing a stacked pool from every layer copies it; writing once per step does not).
+  A grouped layout (page_ids [G, T]: each group's pages) writes each group's layers at
+  their slots of that group's pages; an early-exit drafter's first L layers only those.
   """
   fmt = get_format(pool_format(pool))
   pool = dict(pool)
-  _write_one(pool, "k", fmt, k, page_ids, offsets)
-  if "v" in pool:  # an MLA pool holds its latent under "k" only
-    _write_one(pool, "v", fmt, v, page_ids, offsets)
+  parts = ((("k", k), ("v", v)) if "v" in pool  # an MLA pool holds its latent under "k"
+           else (("k", k),))
+  if page_ids.ndim == 1:
+    for name, x in parts:
+      _write_one(pool, name, fmt, x, page_ids, offsets)
+    return pool
+  run = k.shape[0]
+  for g, (_, ids) in enumerate(layout.groups):
+    ids = [i for i in ids if i < run]  # slots 0..len(ids)-1 of the group's pages
+    if not ids:
+      continue
+    for name, x in parts:
+      _write_one(pool, name, fmt, x[jnp.asarray(ids)], page_ids[g], offsets)
   return pool
 
 

@@ -12,13 +12,15 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.attention import write_kv
+from jaxinfer.kv import kv_layout
 from jaxinfer.model import layers, linear, moe
 
 
 def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None):
   """One decoder layer (window: its sliding window, None for full attention)."""
   norm = lambda y, w: layers.rms_norm(y, p[w], cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
-  h, k, v = layers.attention_block(norm(x, "attn_norm"), p, cfg, rope, pool, layer, batch,
+  slot, kv_batch = kv_at(cfg, batch, layer)
+  h, k, v = layers.attention_block(norm(x, "attn_norm"), p, cfg, rope, pool, slot, kv_batch,
                                    attn_shape=attn_shape, backend=backend, window=window)
   if cfg.sandwich_norms:  # Gemma 2/3: the attention and MLP outputs are normed too
     h = norm(h, "post_attn_norm")
@@ -29,6 +31,28 @@ def layer(x, p, layer, cfg, rope, pool, batch, attn_shape, backend, window=None)
   if cfg.sandwich_norms:
     h = norm(h, "post_mlp_norm")
   return x + h, k, v
+
+
+def kv_at(cfg: ModelConfig, batch, i):
+  """Where layer i's K/V live: its slot of the pool's pages and the step's metadata with
+  its group's page table (kv.kv_layout; the layer itself and the one table where the
+  layers are not grouped). i may be static or traced."""
+  layout = kv_layout(cfg)
+  if layout.num_groups == 1:
+    return i, batch
+  if isinstance(i, int):
+    slot, group = layout.slot_of[i], layout.group_of[i]
+  else:
+    slot = jnp.asarray(layout.slot_of, jnp.int32)[i]
+    group = jnp.asarray(layout.group_of, jnp.int32)[i]
+  return slot, dict(batch, page_table=batch["page_table"][group])
+
+
+def write_step_kv(pool, ks, vs, batch, cfg: ModelConfig, backend):
+  """The step's K/V of the layers run, written once after the last (layer groups too)."""
+  layout = kv_layout(cfg)
+  return write_kv(pool, ks, vs, batch["write_page"], batch["write_offset"], backend,
+                  layout if layout.num_groups > 1 else None)
 
 
 # A window no context reaches: full attention in a layer scan that mixes both kinds.
@@ -152,6 +176,6 @@ def forward(params, pool, batch, cfg: ModelConfig, *, attn_shape,
   """Returns (logits [S, V] f32 at batch["logits_idx"], pool with the step's K/V written)."""
   x, ks, vs = hidden_states(params, pool, batch, cfg, attn_shape=attn_shape,
                             backend=backend)
-  pool = write_kv(pool, ks, vs, batch["write_page"], batch["write_offset"], backend)
+  pool = write_step_kv(pool, ks, vs, batch, cfg, backend)
   logits = lm_head(params, x[batch["logits_idx"]], cfg)
   return logits, pool
