@@ -177,3 +177,60 @@ def test_property_no_leak_no_double_free(ops):
   for s in in_flight:
     pm.complete_step(s)
   assert pm.num_free == pm.num_pages
+
+
+def test_grouped_pages_release_a_windowed_group_and_keep_the_full_one():
+  """Page tables per layer group from one free list: a sequence of 40 tokens with a
+  full group and a window-8 group (pages of 4) holds 10 full-group pages and at most
+  8 / 4 + 1 = 3 windowed ones after sliding; reserving to its end with the window's bound
+  takes 10 + the bound; a grow that does not fit in every group changes nothing."""
+  from jaxinfer.runtime.pages import HOLE, GroupedPages, page_manager
+  pm = page_manager(40, 4, (0, 8))
+  assert isinstance(pm, GroupedPages) and isinstance(page_manager(8, 4), PageManager)
+  bound = (0, 4)  # the full group holds everything; the windowed one at most 4 pages
+  assert pm.admission_pages(40, bound) == 10 + 4
+  assert pm.add_sequence("a", reserve_tokens=40, bound_pages=bound)
+  assert pm.num_available == 40 - 14
+  for t in range(4, 41, 4):
+    assert pm.grow("a", t) == []
+    pm.slide("a", t)
+    full, local = pm.page_table("a")
+    assert len(full) == len(local) == t // 4
+    assert sum(p != HOLE for p in local) <= 3 and HOLE not in full
+  assert sum(p != HOLE for p in pm.page_table("a")[1]) == 2  # the window of position 40: 33-40
+  assert pm.cacheable_pages("a") is None  # released pages: no whole prefix to offer
+  pm.check_invariants()
+  # b needs 10 + 10 pages from the free list, only 40 - 10 - 4 - (reserved) are there
+  assert pm.add_sequence("b") and pm.grow("b", 40) is not None
+  pm.check_invariants()
+  free = pm.num_available
+  assert pm.shortfall("b", 80) == 20 > free and pm.grow("b", 80) is None
+  assert [len(t) for t in pm.page_table("b")] == [10, 10] and pm.num_available == free
+  pm.rollback("b", 10)
+  assert [len(t) for t in pm.page_table("b")] == [3, 3]
+  pm.check_invariants()
+  pm.free("a")
+  pm.free("b")
+  assert pm.num_free == 40
+  pm.check_invariants()
+
+
+def test_grouped_pages_share_prefix_pages_per_group():
+  """A prefix-cache hit in a grouped pool: each shared page is a tuple (one page per
+  group), referenced in every group's table; writing past a shared partial tail copies
+  it in each group (copy-on-write)."""
+  from jaxinfer.runtime.pages import page_manager
+  pm = page_manager(32, 4, (0, 16))
+  assert pm.add_sequence("a") and pm.grow("a", 6) == []
+  pages = pm.cacheable_pages("a")
+  assert len(pages) == 2 and all(len(t) == 2 for t in pages)
+  pm.incref(pages)  # the cache's references
+  assert pm.add_sequence("b", pages, 6)
+  assert pm.shares_tail("b")
+  copies = pm.grow("b", 7)
+  assert len(copies) == 2 and {c[0] for c in copies} == set(pages[1])  # the tails
+  pm.check_invariants({t: 1 for t in pages})
+  for s in "ab":
+    pm.free(s)
+  pm.decref(pages)
+  assert pm.num_free == 32

@@ -48,6 +48,7 @@ HOLE = -1
 
 
 class PageManager:
+  windows: Tuple[int, ...] = ()  # per page-table group (GroupedPages); (): one table
 
   def __init__(self, num_pages: int, page_size: int):
     if num_pages < 1:
@@ -115,6 +116,35 @@ class PageManager:
     n = self.pages_for(reserve_tokens)
     return min(n, bound_pages) if bound_pages else n
 
+  def admission_pages(self, reserve_tokens: int, bound_pages=0, num_shared: int = 0) -> int:
+    """Free pages add_sequence takes (reserves) for a sequence starting on num_shared
+    shared pages."""
+    return max(PageManager.reserve_pages(self, reserve_tokens, bound_pages) - num_shared, 0)
+
+  def shortfall(self, seq_id, new_num_tokens: int) -> int:
+    """Pages grow(seq_id, new_num_tokens) takes from the free list beyond the sequence's
+    reservation (0: it cannot fail)."""
+    s = self._seqs[seq_id]
+    need = max(self.pages_for(new_num_tokens) - len(s.pages), 0)
+    need += int(new_num_tokens > s.num_tokens and PageManager.shares_tail(self, seq_id))
+    return max(need - s.reserved, 0)
+
+  def slide(self, seq_id, next_position: int, window: int) -> None:
+    """Release the pages behind a sliding window of `window` tokens (0: none) for a
+    sequence whose next query is at next_position."""
+    if window:
+      self.release_before(seq_id, next_position - window + 1)
+
+  def cacheable_pages(self, seq_id) -> Optional[List]:
+    """The sequence's pages as the prefix cache holds them, or None when one was released
+    behind a window (no whole prefix to offer)."""
+    pages = self._seqs[seq_id].pages
+    return None if HOLE in pages else pages
+
+  def first_table(self, seq_id) -> List[int]:
+    """The page table of the layers that keep the whole context."""
+    return self.page_table(seq_id)
+
   def add_sequence(self, seq_id, shared_pages: Iterable[int] = (), num_shared_tokens: int = 0,
                    reserve_tokens: int = 0, bound_pages: int = 0) -> bool:
     """Start a sequence whose first pages are `shared_pages` (a prefix-cache hit holding
@@ -129,7 +159,7 @@ class PageManager:
     shared = list(shared_pages)
     if num_shared_tokens > len(shared) * self.page_size:
       raise ValueError("num_shared_tokens exceeds the shared pages' capacity")
-    need = max(self.reserve_pages(reserve_tokens, bound_pages) - len(shared), 0)
+    need = max(PageManager.reserve_pages(self, reserve_tokens, bound_pages) - len(shared), 0)
     if need > self.num_available:
       return False
     for p in shared:
@@ -181,10 +211,10 @@ class PageManager:
       raise ValueError(f"grow() cannot shrink ({s.num_tokens} -> {new_num_tokens}); use rollback")
     new_pages = max(self.pages_for(new_num_tokens) - len(s.pages), 0)
     tail = s.num_tokens // self.page_size
-    cow = new_num_tokens > s.num_tokens and self.shares_tail(seq_id)
+    cow = new_num_tokens > s.num_tokens and PageManager.shares_tail(self, seq_id)
     need = new_pages + int(cow)
     from_reserve = min(need, s.reserved)
-    if need - from_reserve > self.num_available:
+    if PageManager.shortfall(self, seq_id, new_num_tokens) > self.num_available:
       return None
     s.reserved -= from_reserve
     self._reserved_total -= from_reserve
@@ -342,3 +372,133 @@ class PageManager:
         assert self._last_read[p] <= self._completed_step, f"free page {p} still read in flight"
     assert self._reserved_total == sum(s.reserved for s in self._seqs.values())
     assert self._reserved_total <= len(self._free) + 0, "reservations exceed free pages"
+
+
+class GroupedPages(PageManager):
+  """Page tables per layer group (kv.KVLayout: a model mixing sliding-window and
+  full-attention layers), every group's pages from the one pool: a sequence is one
+  sub-sequence per group, (seq_id, g), each kept by PageManager's own rules. A windowed
+  group holds at most its window's pages (bound per group), the full group the whole
+  context. Operations on a sequence act on all its groups, and one that takes pages
+  checks first that all of them fit (nothing changes otherwise). Page tables, shared
+  pages and prefix-cache pages are per group: a tuple with one entry per group."""
+
+  def __init__(self, num_pages: int, page_size: int, windows):
+    super().__init__(num_pages, page_size)
+    if len(windows) < 2 or any(w < 0 for w in windows):
+      raise ValueError(f"GroupedPages needs >= 2 groups' windows >= 0, got {windows}")
+    self.windows = tuple(windows)
+
+  def _sub(self, seq_id):
+    return [(seq_id, g) for g in range(len(self.windows))]
+
+  def _each(self, bound):
+    return bound if isinstance(bound, tuple) else (bound,) * len(self.windows)
+
+  def has(self, seq_id) -> bool:
+    return (seq_id, 0) in self._seqs
+
+  def page_table(self, seq_id):
+    return tuple(self._seqs[k].pages for k in self._sub(seq_id))
+
+  def first_table(self, seq_id) -> List[int]:
+    return self._seqs[(seq_id, 0)].pages  # kv_layout puts the full group first
+
+  def num_tokens(self, seq_id) -> int:
+    return self._seqs[(seq_id, 0)].num_tokens
+
+  def sequences(self):
+    return [k[0] for k in self._seqs if k[1] == 0]
+
+  def reserve_pages(self, reserve_tokens: int, bound_pages=0) -> int:
+    return sum(PageManager.reserve_pages(self, reserve_tokens, b)
+               for b in self._each(bound_pages))
+
+  def admission_pages(self, reserve_tokens: int, bound_pages=0, num_shared: int = 0) -> int:
+    return sum(PageManager.admission_pages(self, reserve_tokens, b, num_shared)
+               for b in self._each(bound_pages))
+
+  def add_sequence(self, seq_id, shared_pages: Iterable = (), num_shared_tokens: int = 0,
+                   reserve_tokens: int = 0, bound_pages=0) -> bool:
+    shared = list(shared_pages)  # a tuple of pages per group for each shared page
+    if self.has(seq_id):
+      raise KeyError(f"sequence {seq_id!r} already exists")
+    if self.admission_pages(reserve_tokens, bound_pages, len(shared)) > self.num_available:
+      return False
+    for g, (k, b) in enumerate(zip(self._sub(seq_id), self._each(bound_pages))):
+      ok = super().add_sequence(k, [p[g] for p in shared], num_shared_tokens,
+                                reserve_tokens, b)
+      assert ok
+    return True
+
+  def fork(self, src_id, dst_id) -> None:
+    for a, b in zip(self._sub(src_id), self._sub(dst_id)):
+      super().fork(a, b)
+
+  def slide(self, seq_id, next_position: int, window: int = 0) -> None:
+    for k, w in zip(self._sub(seq_id), self.windows):
+      if w:
+        self.release_before(k, next_position - w + 1)
+
+  def shortfall(self, seq_id, new_num_tokens: int) -> int:
+    return sum(super(GroupedPages, self).shortfall(k, new_num_tokens)
+               for k in self._sub(seq_id))
+
+  def grow(self, seq_id, new_num_tokens: int) -> Optional[List[Copy]]:
+    if self.shortfall(seq_id, new_num_tokens) > self.num_available:
+      return None
+    copies = []
+    for k in self._sub(seq_id):
+      c = super().grow(k, new_num_tokens)
+      assert c is not None
+      copies += c
+    return copies
+
+  def shares_tail(self, seq_id) -> bool:
+    return any(super(GroupedPages, self).shares_tail(k) for k in self._sub(seq_id))
+
+  def rollback(self, seq_id, new_num_tokens: int) -> None:
+    for k in self._sub(seq_id):
+      super().rollback(k, new_num_tokens)
+
+  def free(self, seq_id) -> None:
+    for k in self._sub(seq_id):
+      super().free(k)
+
+  def unreserve(self, seq_id) -> None:
+    for k in self._sub(seq_id):
+      super().unreserve(k)
+
+  def cacheable_pages(self, seq_id) -> Optional[List]:
+    tables = self.page_table(seq_id)
+    if any(HOLE in t for t in tables):
+      return None
+    return list(zip(*tables))
+
+  def incref(self, pages: Iterable) -> None:
+    super().incref(p for t in pages for p in t)
+
+  def decref(self, pages: Iterable) -> None:
+    super().decref(p for t in pages for p in t)
+
+  def allocate_pages(self, n: int):
+    raise NotImplementedError("a host tier of the prefix cache is not kept for grouped "
+                              "page tables")
+
+  def begin_step(self, seq_ids: Iterable = ()) -> int:
+    return super().begin_step([k for sid in seq_ids for k in self._sub(sid)])
+
+  def check_invariants(self, extra_refs: Optional[Dict] = None) -> None:
+    flat = collections.Counter()
+    for t, n in (extra_refs or {}).items():
+      for p in (t if isinstance(t, tuple) else (t,)):
+        flat[p] += n
+    super().check_invariants(flat)
+
+
+def page_manager(num_pages: int, page_size: int, windows=()) -> PageManager:
+  """The page manager of a pool laid out with these groups' windows (kv.KVLayout.windows;
+  one group: the plain manager, whose sliding window the scheduler applies)."""
+  if len(windows) > 1:
+    return GroupedPages(num_pages, page_size, windows)
+  return PageManager(num_pages, page_size)
