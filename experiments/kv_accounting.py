@@ -7,10 +7,11 @@
   python -m experiments.kv_accounting --layer_windows=64,0 --prompt_len=512 --page_size=16
 
 Sliding windows (--layer_windows, a pattern repeated over the layers; 0: full attention):
-one request runs through the real PageManager, prefill in chunks of --step_tokens, then
-decode, releasing the pages wholly behind each window after every step; the layers of one
-window share page tables (a group). Printed per group: the most pages held between
-decode steps and during any step, beside the arithmetic (accounting.pages_held,
+one request runs through the engine's page manager, prefill in chunks of --step_tokens,
+then decode, releasing the pages wholly behind each window after every step; where
+windows mix, the layers are grouped with page tables per group (kv.grouped_layout), as
+the engine keeps them. Printed per window: the most pages one group held between decode
+steps and during any step, beside the arithmetic (accounting.pages_held,
 step_pages_bound) and full attention.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ import string
 from absl import app, flags
 
 from jaxinfer.costmodel import accounting
-from jaxinfer.runtime.pages import HOLE, PageManager
+from jaxinfer.kv import grouped_layout
+from jaxinfer.runtime.pages import HOLE, page_manager
 from jaxinfer import strict_json
 
 FLAGS = flags.FLAGS
@@ -52,35 +54,45 @@ def _parse_share(s: str, names):
 
 def window_groups(windows, prompt_len: int, output_len: int, step_tokens: int,
                   page_size: int) -> list:
-  """One row per window in `windows` (each layer's, 0: full): one request run through a
-  PageManager of its own, chunked prefill then decode (K/V of L + G - 1 tokens), pages
-  behind the window released after every step; the most pages it held between decode
-  steps and during any step, beside the arithmetic."""
-  rows = []
+  """One row per window in `windows` (each layer's, 0: full): one request run through the
+  engine's page manager for that layer pattern (kv.grouped_layout: one page table per
+  layer group where windows mix, else one), chunked prefill then decode (K/V of
+  L + G - 1 tokens), the pages behind each window released after every step; the most
+  pages one group of that window held between decode steps and during any step, beside
+  the arithmetic."""
+  layout = grouped_layout(tuple(windows))
   end = prompt_len + output_len - 1
+  full = accounting.pages_for(end, page_size)
+  pm = page_manager(full * layout.num_groups + 1, page_size, layout.windows)
+  pm.add_sequence("r")
+  tables = ((lambda: pm.page_table("r")) if layout.num_groups > 1
+            else (lambda: (pm.page_table("r"),)))
+  step_most = [0] * layout.num_groups
+  decode_most = [0] * layout.num_groups
+  tokens = 0
+  while tokens < end:
+    n = min(step_tokens, prompt_len - tokens) if tokens < prompt_len else 1
+    assert pm.grow("r", tokens + n) is not None
+    live = [sum(p != HOLE for p in t) for t in tables()]
+    step_most = [max(a, b) for a, b in zip(step_most, live)]
+    tokens += n
+    pm.slide("r", tokens, layout.windows[0] if layout.num_groups == 1 else 0)
+    if tokens >= prompt_len:
+      live = [sum(p != HOLE for p in t) for t in tables()]
+      decode_most = [max(a, b) for a, b in zip(decode_most, live)]
+  pm.check_invariants()
+  rows = []
   for w in sorted(set(windows), reverse=True):
-    pm = PageManager(accounting.pages_for(end, page_size) + 1, page_size)
-    pm.add_sequence("r")
-    tokens = step_most = decode_most = 0
-    while tokens < end:
-      n = min(step_tokens, prompt_len - tokens) if tokens < prompt_len else 1
-      assert pm.grow("r", tokens + n) is not None
-      live = lambda: sum(p != HOLE for p in pm.page_table("r"))  # noqa: E731
-      step_most = max(step_most, live())
-      tokens += n
-      if w:
-        pm.release_before("r", tokens - w + 1)
-      if tokens >= prompt_len:
-        decode_most = max(decode_most, live())
+    g = layout.windows.index(w)  # the first group of this window (they run alike)
     rows.append({"window": w, "layers": list(windows).count(w),
-                 "pages_held_in_decode": decode_most,
-                 "pages_held_in_a_step": step_most,
+                 "groups": layout.windows.count(w),
+                 "pages_held_in_decode": decode_most[g],
+                 "pages_held_in_a_step": step_most[g],
                  "formula_held": max(accounting.pages_held(t, page_size, w)
                                      for t in range(prompt_len, end + 1)),
                  "formula_step": (min(accounting.step_pages_bound(w, step_tokens, page_size),
-                                      accounting.pages_for(end, page_size)) if w
-                                  else accounting.pages_for(end, page_size)),
-                 "full_attention_pages": accounting.pages_for(end, page_size)})
+                                      full) if w else full),
+                 "full_attention_pages": full})
   return rows
 
 
@@ -95,11 +107,8 @@ def _main_windows():
   windows = [pattern[i % len(pattern)] for i in range(L)]
   rows = window_groups(windows, FLAGS.prompt_len, FLAGS.output_len, FLAGS.step_tokens,
                        FLAGS.page_size)
-  mixed = len(set(windows)) > 1 and any(windows)
-  # The engine releases pages when every layer has one window; a mix needs page tables
-  # per layer group, which it does not keep yet (its pages then hold every layer).
-  for r in rows:
-    r["engine_releases"] = bool(r["window"]) and not mixed
+  for r in rows:  # the engine's manager released them above (one table or one per group)
+    r["engine_releases"] = bool(r["window"])
   total_layers = len(windows)
   held = sum(r["pages_held_in_decode"] * r["layers"] for r in rows) / total_layers
   full = rows[0]["full_attention_pages"]
@@ -110,8 +119,8 @@ def _main_windows():
   if FLAGS.json:
     print(strict_json.dumps(out, indent=1))
     return
-  cols = ["window", "layers", "pages_held_in_decode", "formula_held", "pages_held_in_a_step",
-          "formula_step", "full_attention_pages", "engine_releases"]
+  cols = ["window", "layers", "groups", "pages_held_in_decode", "formula_held",
+          "pages_held_in_a_step", "formula_step", "full_attention_pages", "engine_releases"]
   print(" ".join(f"{c:>21}" for c in cols))
   for r in rows:
     print(" ".join(f"{str(r[c]):>21}" for c in cols))

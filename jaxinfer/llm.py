@@ -114,9 +114,9 @@ class LLM:
         max_pages=-(-self.max_model_len // page_size))
     from jaxinfer.costmodel.lora import kv_pages_taken
     from jaxinfer.costmodel.offload import kv_pages_freed
-    from jaxinfer.kv import bytes_per_token
+    from jaxinfer.kv import page_bytes as pool_page_bytes
     bpp = 2 if dtype == "bfloat16" else 4
-    page_bytes = bytes_per_token(self.cfg, kv_format, page_size) * page_size
+    page_bytes = pool_page_bytes(self.cfg, kv_format, page_size)  # one group's layers
     if offload is not None and offload.layers:  # the net saving holds more KV (8.4.3)
       extra = kv_pages_freed(self.cfg, offload, bpp, page_bytes)
       log.info("weight offload frees %.1f MiB net: %d more KV pages",

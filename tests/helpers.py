@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.executors.jax_executor import JaxExecutor
+from jaxinfer.kv import kv_layout
 from jaxinfer.runtime.batcher import SeqWork, pack_exact
 
 
@@ -19,10 +20,13 @@ def full_logits(cfg, params, ids, kv_format="f32"):
   m = -(-n // PAD) * PAD
   page_size = 16
   pages = m // page_size
-  ex = JaxExecutor(cfg, params, num_pages=pages, page_size=page_size, kv_format=kv_format,
-                   backend="reference")  # the oracle runs the plain jnp attention
-  step = pack_exact([SeqWork(list(ids) + [0] * (m - n), 0, list(range(pages)))], page_size,
-                    pages)
+  groups = max(len(kv_layout(cfg).windows), 1)  # a page table per layer group
+  table = [list(range(g * pages, (g + 1) * pages)) for g in range(groups)]
+  ex = JaxExecutor(cfg, params, num_pages=pages * groups, page_size=page_size,
+                   kv_format=kv_format, backend="reference")  # the plain jnp attention
+  step = pack_exact([SeqWork(list(ids) + [0] * (m - n), 0,
+                             tuple(table) if groups > 1 else table[0])],
+                    page_size, pages * groups)
   step = _all_positions(step, m)
   _, logits = ex.logits(step)
   return logits[:n]

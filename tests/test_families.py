@@ -101,6 +101,13 @@ def _hf_dir(name, tmp_path_factory):
   return _BUILT[name]
 
 
+def _pages(cfg, n: int) -> int:
+  """Pages of the pool holding the bytes of n pages of every layer (a model mixing
+  windowed and full layers pages each group of layers on its own: kv.kv_layout)."""
+  from jaxinfer.kv import kv_layout
+  return n * cfg.num_layers // kv_layout(cfg).slots
+
+
 def _prompt(seed=0, n=PROMPT_LEN):
   return [int(i) for i in np.random.default_rng(seed).integers(1, 512, n)]
 
@@ -199,14 +206,15 @@ def test_family_prefix_hit_preempted_and_speculative_greedy_match_hf(name, tmp_p
   table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
                       query_sizes=(1, 4, 16))
   sched = SchedulerConfig("chunked", 4, 16, 16, reserve="none")
-  llm = LLM.from_loaded(m, warmup=False, num_pages=9, page_size=8, buckets=table,
-                        prefix_cache=True, scheduler=sched)
+  llm = LLM.from_loaded(m, warmup=False, num_pages=_pages(m.cfg, 9), page_size=8,
+                        buckets=table, prefix_cache=True, scheduler=sched)
   first = llm.generate(prompts[:1], sp)[0]
   rest = llm.generate(prompts[1:], sp)
   assert [o.token_ids for o in [first] + rest] == want, name
   assert all(o.cached_tokens >= 16 for o in rest)
   assert llm.engine.scheduler.num_preemptions > 0
-  spec = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table,
+  spec = LLM.from_loaded(m, warmup=False, num_pages=_pages(m.cfg, 32), page_size=8,
+                         buckets=table,
                          speculative="ngram", num_draft=3)
   outs = spec.generate(prompts, sp)
   assert [o.token_ids for o in outs] == want, name
@@ -342,6 +350,51 @@ def test_a_sliding_window_bounds_what_admission_reserves(tmp_path_factory):
   once instead of two, without a preemption."""
   runs = _window_runs(tmp_path_factory, 20, 4, num_pages=20, reserve="end")
   assert runs[WINDOW] == (4, WINDOW // 8 + 1, 0) and runs[0] == (2, 8, 0), runs
+
+
+def test_gemma2_local_layers_page_their_window_and_admit_more(tmp_path_factory):
+  """Gemma 2 (local window 16, global layers): each layer group has its own page tables.
+  Decoding, a local group holds at most window / page + 1 pages while the global group
+  holds the whole context; admission reserving to the end counts (window + chunk - 1) /
+  page + 2 pages per local group, so a pool of 36 one-layer pages (the bytes of 12 pages
+  of all three layers) runs two requests at once where the same model with every layer
+  full-attention runs one. Greedy tokens equal HF's, page invariants hold every step."""
+  import dataclasses
+  from jaxinfer.kv import kv_layout
+  from jaxinfer.llm import LLM
+  from jaxinfer.loading import load_model
+  from jaxinfer.runtime.pages import HOLE
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  d, hf = _hf_dir("gemma2", tmp_path_factory)
+  m = load_model(d, "float32")
+  layout = kv_layout(m.cfg)
+  assert layout.windows == (0, WINDOW, WINDOW) and layout.slots == 1, layout
+  prompts = [_prompt(30 + i) for i in range(3)]
+  sp = SamplingParams(max_tokens=24, ignore_eos=True)
+  table = BucketTable(token_sizes=(4, 16), request_sizes=(4,), page_table_sizes=(8,),
+                      query_sizes=(1, 16))
+  full = dataclasses.replace(m, cfg=dataclasses.replace(m.cfg, layer_windows=()))
+  runs = {}
+  for name, model, pages in (("grouped", m, 36), ("full", full, 12)):
+    llm = LLM.from_loaded(model, warmup=False, num_pages=pages, page_size=8, buckets=table,
+                          scheduler=SchedulerConfig("chunked", 4, 16, 16, reserve="end"))
+    eng = llm.engine
+    reqs = [eng.add_request(p, sp) for p in prompts]
+    running, held = 0, [0] * layout.num_groups
+    while eng.has_unfinished():
+      eng.step()
+      running = max(running, len(eng.scheduler.running))
+      for r in reqs:
+        if name == "grouped" and eng.pm.has(r.request_id) and r.num_computed >= 40:
+          for g, table_g in enumerate(eng.pm.page_table(r.request_id)):
+            held[g] = max(held[g], sum(p != HOLE for p in table_g))
+      eng.pm.check_invariants()
+    runs[name] = (running, held, eng.scheduler.num_preemptions)
+    if name == "grouped":
+      assert [r.output_token_ids for r in reqs] == [_hf_greedy(hf, p, 24) for p in prompts]
+  print("Gemma 2 pages: (most running, most pages held per group, preemptions):", runs)
+  assert runs["grouped"] == (2, [8, WINDOW // 8 + 1, WINDOW // 8 + 1], 0), runs
+  assert runs["full"][0] == 1, runs
 
 
 @pytest.mark.parametrize("name", [pytest.param("qwen2", marks=pytest.mark.slow), "gemma2"])

@@ -51,6 +51,7 @@ class Executor(Protocol):
   vocab_size: Optional[int]  # token ids the model accepts: [0, vocab_size); None = any
   step_model: Optional[object]  # a StepTimeModel when steps are modelled, else None
   max_loras: int  # LoRA adapter slots on the device (0: no adapters, 8.2.1)
+  kv_windows: Tuple[int, ...]  # each page-table group's window (kv.KVLayout); (): one
   lora_adapters: dict  # registered adapters by name (host memory)
 
   def copy_pages(self, copies: Sequence[Tuple[int, int]]) -> None: ...

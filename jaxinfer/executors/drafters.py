@@ -94,11 +94,11 @@ class DraftModelDrafter:
   def __init__(self, loaded, *, num_pages: int, page_size: int = 16,
                kv_format: str = "f32", backend: str = "xla"):
     from jaxinfer.executors.jax_executor import JaxExecutor
-    from jaxinfer.runtime.pages import PageManager
+    from jaxinfer.runtime.pages import page_manager
     self.cfg = loaded.cfg
     self.executor = JaxExecutor(loaded.cfg, loaded.params, num_pages=num_pages,
                                 page_size=page_size, kv_format=kv_format, backend=backend)
-    self.pm = PageManager(num_pages, page_size)
+    self.pm = page_manager(num_pages, page_size, self.executor.kv_windows)
     self._seq: Dict[object, List[int]] = {}  # tokens whose K/V the draft pool holds
     self.buckets = None
 
@@ -132,7 +132,7 @@ class DraftModelDrafter:
   def _run(self, works):
     step = pack(works, self.buckets, self.pm.page_size, self.pm.num_pages)
     sid = self.pm.begin_step()
-    self.pm.note_reads(sid, [p for w in works for p in w.page_table])
+    self.pm.note_reads(sid, [p for w in works for p in _flat(w.page_table)])
     tokens = self.executor.execute(step).tokens
     self.pm.complete_step(sid)
     return tokens
@@ -201,3 +201,8 @@ class DraftModelDrafter:
       for i, r in enumerate(batch):
         drafts[r.request_id].append(int(tokens[i]))
     return drafts
+
+
+def _flat(table):
+  """A work's pages: its table, or every group's (a grouped pool)."""
+  return [p for t in table for p in t] if isinstance(table, tuple) else table

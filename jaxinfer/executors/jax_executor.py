@@ -11,7 +11,7 @@ import numpy as np
 from jaxinfer import attention, platforms
 from jaxinfer.buckets import Bucket
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv import allocate_pool
+from jaxinfer.kv import allocate_pool, kv_layout
 from jaxinfer.lora import AdapterError, TARGETS as LORA_TARGETS, ops as lora_ops, union_targets
 from jaxinfer.lora.adapter import LoraAdapter, check_finite
 from jaxinfer.executors.base import StepResult
@@ -58,6 +58,8 @@ class JaxExecutor:
     self.num_pages = num_pages
     self.page_size = page_size
     self.kv_format = kv_format
+    layout = kv_layout(cfg)  # page tables per layer group (sliding + full layers)
+    self.kv_windows = layout.windows if layout.num_groups > 1 else ()
     self.backend = attention.check_backend(backend, q_precision)
     self.overlap_masks = (jax.default_backend() != "cpu") if overlap_masks is None else \
         bool(overlap_masks)
@@ -274,7 +276,9 @@ class JaxExecutor:
     t0 = time.perf_counter()
     for b in buckets:
       if b.prefill_slots == 0 and b.num_logits == b.num_requests:
-        self.draft(StepInput(empty_step_arrays(b, self.num_pages), b, [], 0), num_layers)
+        self.draft(StepInput(empty_step_arrays(b, self.num_pages,
+                                               groups=len(self.kv_windows) or 1), b, [], 0),
+                   num_layers)
     return time.perf_counter() - t0
 
   def warmup(self, buckets: Sequence[Bucket], masked: bool = False) -> float:
@@ -286,7 +290,7 @@ class JaxExecutor:
     words = mask_words(self.vocab_size)
     for b in buckets:
       for lora in ((False, True) if self.lora_pool is not None else (False,)):
-        a = empty_step_arrays(b, self.num_pages, words)
+        a = empty_step_arrays(b, self.num_pages, words, groups=len(self.kv_windows) or 1)
         mask = a.pop("token_mask")
         if lora:
           a["lora_slot"] = np.zeros(b.num_tokens, np.int32)

@@ -58,6 +58,7 @@ class AffineStepModel:
 
 class SimExecutor:
   virtual_clock = True
+  kv_windows = ()  # one page table per request
   vocab_size = None  # no model: any token id is accepted
 
   def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int,

@@ -23,7 +23,8 @@ class SeqWork:
   """One request's share of a step."""
   token_ids: Sequence[int]  # new tokens this step runs
   cached_len: int  # tokens of this request already in its pages
-  page_table: Sequence[int]  # covers cached_len + len(token_ids) tokens
+  page_table: Sequence[int]  # covers cached_len + len(token_ids) tokens (a tuple of
+  # tables, one per layer group, for a grouped pool: kv.KVLayout)
   num_logits: int = 1  # trailing new tokens whose next-token logits are needed
   temperature: float = 0.0
   top_k: int = 0
@@ -72,18 +73,21 @@ def bucket_for(seqs: Iterable[Tuple[int, int, int]], table: BucketTable,
                       num_logits=sum(lg for _, _, lg in seqs))
 
 
-def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0) -> Dict[str, np.ndarray]:
+def empty_step_arrays(b: Bucket, num_pages: int, mask_words: int = 0,
+                      groups: int = 1) -> Dict[str, np.ndarray]:
   """The step layout, defined once: every input array of a bucket's shape, holding
   padding (a step of nothing: writes go to page `num_pages`, which the device drops).
   Per token [T]: token_ids, positions, write_page, write_offset; per request slot [R]:
   page_table [R, P], query_start, query_len, cached_len; per logits row [S]: logits_idx,
   temperature, top_k, top_p, seed, counter, draft_ids (-1: no draft to verify); with
   mask_words > 0 (a step of constrained requests) also token_mask [S, mask_words], all
-  ones (every token allowed)."""
+  ones (every token allowed). groups > 1 (a pool whose layers have page tables per
+  group, kv.KVLayout): page_table [G, R, P] and write_page [G, T], one per group."""
   T, R, P, S = b.num_tokens, b.num_requests, b.pages_per_request, b.num_logits
   z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-  a = dict(token_ids=z(T), positions=z(T), write_page=np.full(T, num_pages, np.int32),
-              write_offset=z(T), page_table=z(R, P), query_start=z(R), query_len=z(R),
+  g = (groups,) if groups > 1 else ()
+  a = dict(token_ids=z(T), positions=z(T), write_page=np.full(g + (T,), num_pages, np.int32),
+              write_offset=z(T), page_table=z(*g, R, P), query_start=z(R), query_len=z(R),
               cached_len=z(R), logits_idx=z(S), temperature=np.zeros(S, np.float32),
               top_k=z(S), top_p=np.ones(S, np.float32), seed=np.zeros(S, np.uint32),
               counter=z(S), draft_ids=np.full(S, -1, np.int32))
@@ -100,7 +104,8 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
   n_tok = sum(len(w.token_ids) for w in works)
   b = select_bucket(works, table, page_size)
   R = b.num_requests
-  a = empty_step_arrays(b, num_pages)
+  grouped = isinstance(works[0].page_table, tuple)  # a table per layer group
+  a = empty_step_arrays(b, num_pages, groups=len(works[0].page_table) if grouped else 1)
   token_ids, positions, write_page, write_offset = (a[k] for k in (
       "token_ids", "positions", "write_page", "write_offset"))
   page_table, query_start, query_len, cached_len = (a[k] for k in (
@@ -124,18 +129,20 @@ def pack(works: Sequence[SeqWork], table: BucketTable, page_size: int,
       next_pre += 1
   for r, w in zip(slots, works):
     n = len(w.token_ids)
-    pt = np.asarray(w.page_table, np.int32)
     end = w.cached_len + n
-    assert len(pt) * page_size >= end, "page table too short for the step's tokens"
     assert 0 < w.num_logits <= n or w.num_logits == 0
-    pt = pt[:-(-end // page_size)]  # pages past this step's tokens are not read
-    page_table[r, :len(pt)] = np.maximum(pt, 0)  # a released page (behind a sliding
-    # window, pages.HOLE) reads page 0, which the window masks out
-    query_start[r], query_len[r], cached_len[r] = t, n, w.cached_len
     pos = np.arange(w.cached_len, end, dtype=np.int32)
+    for g, table in enumerate(w.page_table if grouped else (w.page_table,)):
+      pt = np.asarray(table, np.int32)
+      assert len(pt) * page_size >= end, "page table too short for the step's tokens"
+      pt = pt[:-(-end // page_size)]  # pages past this step's tokens are not read
+      # a released page (behind a sliding window, pages.HOLE) reads page 0, which the
+      # window masks out
+      (page_table[g] if grouped else page_table)[r, :len(pt)] = np.maximum(pt, 0)
+      (write_page[g] if grouped else write_page)[t:t + n] = pt[pos // page_size]
+    query_start[r], query_len[r], cached_len[r] = t, n, w.cached_len
     token_ids[t:t + n] = w.token_ids
     positions[t:t + n] = pos
-    write_page[t:t + n] = pt[pos // page_size]
     write_offset[t:t + n] = pos % page_size
     for j in range(w.num_logits):
       i = len(rows)

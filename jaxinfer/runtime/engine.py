@@ -27,7 +27,7 @@ from jaxinfer.config import SamplingParams
 from jaxinfer.metrics import summarize
 from jaxinfer.runtime.batcher import SeqWork, StepInput, bucket_for, pack
 from jaxinfer.runtime.fast_forward import fast_forward, pending_end
-from jaxinfer.runtime.pages import PageManager
+from jaxinfer.runtime.pages import page_manager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.records import StepLog, trim_requests
 from jaxinfer.runtime.request import Request
@@ -88,7 +88,13 @@ class Engine:
     self.buckets = buckets
     self.tokenizer = tokenizer
     self.max_model_len = max_model_len
-    self.pm = PageManager(executor.num_pages, executor.page_size)
+    # one page table per layer group where the executor's pool groups its layers
+    windows = getattr(executor, "kv_windows", ())
+    if len(windows) > 1 and prefix_cache and host_cache_pages:
+      raise ValueError(f"host_cache_pages={host_cache_pages}: the prefix cache's host tier "
+                       "is not kept for a model whose layers have page tables per group "
+                       "(sliding-window and full-attention layers); use 0")
+    self.pm = page_manager(executor.num_pages, executor.page_size, windows)
     self.cache = (PrefixCache(self.pm, eviction=cache_eviction, host_pages=host_cache_pages)
                   if prefix_cache else None)
     self.scheduler = Scheduler(config, self.pm, self.cache, max_step_tokens=buckets.max_tokens,

@@ -31,7 +31,7 @@ def _batch_fixed(engine) -> bool:
   cfg = sch.config
   run = sch.running
   if (not ex.virtual_clock or engine._in_flight is not None or engine.speculator is not None
-      or engine._failed or not run or cfg.window):
+      or engine._failed or not run or cfg.window or engine.pm.windows):
     return False
   if len(run) > min(cfg.token_budget, sch.max_step_tokens, sch.max_step_requests):
     return False

@@ -102,8 +102,10 @@ class RequestChecks:
       raise RequestTooLargeError(
           f"request needs {pages} pages, more than the largest bucket of "
           f"{self.engine.buckets.max_pages} pages per request")
-    if pages > self.engine.pm.num_pages:
+    pm = self.engine.pm  # a windowed group holds only its window's pages
+    pool_pages = pm.reserve_pages(total - 1, self.engine.scheduler.window_pages(total - 1))
+    if pool_pages > pm.num_pages:
       raise RequestTooLargeError(
-          f"request needs {pages} KV pages ({total - 1} tokens) but the pool has only "
-          f"{self.engine.pm.num_pages} pages of {self.engine.pm.page_size} tokens")
+          f"request needs {pool_pages} KV pages ({total - 1} tokens) but the pool has only "
+          f"{pm.num_pages} pages of {pm.page_size} tokens")
 

@@ -106,7 +106,7 @@ class StepPlan:
       return (0, 0)
     groups = {}
     for s in self.seqs:
-      pt = self.pages.page_table(s.request.request_id)
+      pt = self.pages.first_table(s.request.request_id)
       if pt and s.start and pt[0] != HOLE:
         groups.setdefault(pt[0], []).append((s, pt))
     group = max(groups.values(), key=len, default=[])
@@ -357,10 +357,10 @@ class Scheduler:
 
     start = max(hit, r.imported_tokens)  # K/V already there: hit pages, or imported ones
     reserve = r.kv_tokens_at_end if cfg.reserve == "end" else start + first_tokens(start)
-    bound = self._window_pages(r)
+    bound = self.window_pages(r.kv_tokens_at_end)
     host = [n for n in nodes if not n.on_device]
     while True:
-      need = max(pm.reserve_pages(reserve, bound) - len(nodes), 0) + len(host)
+      need = pm.admission_pages(reserve, bound, len(nodes)) + len(host)
       if need <= pm.num_available:
         break
       if self.cache is None or self.cache.evict(need - pm.num_available) == 0:
@@ -412,7 +412,7 @@ class Scheduler:
         plan.copies.extend(copies)
         # grow() records the tokens as written; postprocess advances num_computed.
         return True
-      short = max(1, self.pm.pages_for(r.num_computed + n) - len(self.pm.page_table(r.request_id)))
+      short = max(1, self.pm.shortfall(r.request_id, r.num_computed + n))
       if self.cache is not None and self.cache.evict(short) > 0:
         continue
       victim = self._victim(plan)
@@ -553,31 +553,42 @@ class Scheduler:
       emitted.append((r, count))
     return emitted
 
-  def _window_pages(self, r: Request) -> int:
-    """The most pages r holds at once when every layer has a sliding window (0: no
-    bound): the window behind its position plus the tokens one step writes (a chunk of
-    the chunked policy, else its whole prompt), each end on a page of its own."""
+  def window_pages(self, kv_tokens: int):
+    """The most pages a request of kv_tokens K/V tokens at its end holds at once where a
+    sliding window bounds them (0: no bound), for the model's one window (config.window:
+    every layer windowed) or per page-table group (the page manager's windows; a tuple):
+    the window behind its position plus the tokens one step writes (a chunk of the
+    chunked policy, else its whole prompt), each end on a page of its own."""
     cfg = self.config
-    if not cfg.window:
-      return 0
     step = (min(cfg.chunk_size, cfg.token_budget) if cfg.policy == "chunked"
-            else r.kv_tokens_at_end)
-    return step_pages_bound(cfg.window, step, self.pm.page_size)
+            else kv_tokens)
+    bound = lambda w: step_pages_bound(w, step, self.pm.page_size) if w else 0  # noqa: E731
+    if self.pm.windows:
+      return tuple(bound(w) for w in self.pm.windows)
+    return bound(cfg.window)
 
   def _behind_window(self, r: Request) -> None:
     """Release the pages no later query of `r` reads: keys before the window of its next
-    position (every layer of the model is windowed: config.window)."""
-    if self.config.window:
-      self.pm.release_before(r.request_id, r.num_computed - self.config.window + 1)
+    position (every layer windowed: config.window; or each windowed group's). With the
+    prefix cache on, the pages computed so far are offered to it before the first release
+    (after which the request holds no whole prefix): later requests sharing the prompt hit
+    them, and the cache gives them up under memory pressure like any other."""
+    windows = [w for w in self.pm.windows or (self.config.window,) if w]
+    if (self.cache is not None and windows
+        and r.num_computed - min(windows) + 1 >= self.pm.page_size):  # a release is due
+      pages = self.pm.cacheable_pages(r.request_id)
+      if pages is not None:
+        self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed], pages)
+    self.pm.slide(r.request_id, r.num_computed, self.config.window)
 
   def _finish(self, r: Request, reason: str, now: float) -> None:
     self.running.remove(r)
     self._memory_pressure = False
-    if self.cache is not None and HOLE not in self.pm.page_table(r.request_id):
+    pages = self.pm.cacheable_pages(r.request_id) if self.cache is not None else None
+    if pages is not None:
       # Offer the computed full pages (the last output's K/V is never written; a request
       # that released pages behind its window holds no whole prefix to offer).
-      self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed],
-                        self.pm.page_table(r.request_id))
+      self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed], pages)
     self._release(r)
     r.set_state(State.FINISHED)
     r.finish_reason, r.finished_at = reason, now
