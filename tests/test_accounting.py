@@ -105,7 +105,8 @@ def test_windowed_costs_and_capacity():
 def test_kv_accounting_prints_the_window_groups():
   """512-token prompts, window 64, pages of 16: a Mistral-style request holds at most
   64 / 16 + 1 = 5 pages in decode; a Gemma-2-style one the same in its local group while
-  its global group holds the whole context (the engine releases only the first)."""
+  its global group holds the whole context (the engine's own grouped page tables: it
+  releases the local group's pages, keeps the global group's), 56% of full attention."""
   one = _run("experiments.kv_accounting", "--layer_windows=64", "--prompt_len=512",
              "--output_len=128", "--page_size=16")
   (g,) = one["groups"]
@@ -116,7 +117,8 @@ def test_kv_accounting_prints_the_window_groups():
   local, glob = two["groups"]
   assert (local["window"], local["layers"], local["pages_held_in_decode"]) == (64, 21, 5)
   assert (glob["window"], glob["pages_held_in_decode"]) == (0, 40)
-  assert not local["engine_releases"]
+  assert local["engine_releases"] and not glob["engine_releases"]
+  assert two["kv_held_in_decode_vs_full_attention"] == (5 + 40) / 80
 
 
 def test_plan_batch_reads_the_kv_a_window_holds():
