@@ -144,6 +144,7 @@ def test_family_logits_and_chunked_greedy_match_hf(name, tmp_path_factory):
   llm = LLM.from_loaded(m, warmup=False, num_pages=32, page_size=8, buckets=table)
   out = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
   assert out.token_ids == _hf_greedy(hf, ids, 16), name
+  print(f"\n{name}: logits error {err:.1e} of HF's largest; chunked greedy = HF's")
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama_linear", "qwen2_yarn"])
@@ -219,6 +220,7 @@ def test_family_prefix_hit_preempted_and_speculative_greedy_match_hf(name, tmp_p
   outs = spec.generate(prompts, sp)
   assert [o.token_ids for o in outs] == want, name
   assert sum(o.rounds for o in outs) > 0
+  print(f"\n{name}: prefix-hit, preempted and speculative greedy = HF's")
 
 
 @pytest.mark.slow
@@ -397,19 +399,22 @@ def test_gemma2_local_layers_page_their_window_and_admit_more(tmp_path_factory):
   assert runs["full"][0] == 1, runs
 
 
-@pytest.mark.parametrize("name", [pytest.param("qwen2", marks=pytest.mark.slow), "gemma2"])
+@pytest.mark.parametrize("name", [pytest.param("qwen2", marks=pytest.mark.slow), "gemma2",
+                                  pytest.param("gemma3", marks=pytest.mark.slow),
+                                  pytest.param("phi3_partial", marks=pytest.mark.slow)])
 def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   """A GGUF file written from a random HF model as llama.cpp writes the family (gguf-py's
-  own tensor-name map; q/k rows not permuted; Gemma 2's norm weights stored as 1 + w, its
-  window, caps and layer pattern in the metadata, its query scale 1 / sqrt(head_dim), so
-  the HF model takes query_pre_attn_scalar = head_dim) loads as that family and gives HF's
-  f32 logits."""
+  own tensor-name map; q/k rows not permuted; Gemma's norm weights stored as 1 + w, its
+  window, caps, layer pattern and local RoPE base in the metadata, its query scale
+  1 / sqrt(head_dim), so the HF model takes query_pre_attn_scalar = head_dim; Phi-3's
+  q, k, v and gate, up fused, its rotated dims in the metadata) loads as that family and
+  gives HF's f32 logits."""
   import gguf
   import torch
   from jaxinfer.loading import load_model, tokenizer
   monkeypatch.setattr(tokenizer, "tokenizer_from_gguf", lambda reader: None)
   conf_cls, model_cls, extra = _families()[name]
-  if name == "gemma2":
+  if name.startswith("gemma"):
     extra = dict(extra, query_pre_attn_scalar=COMMON["head_dim"])
   torch.manual_seed(0)
   conf = conf_cls(**dict(COMMON, **extra))
@@ -419,7 +424,9 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
     for n, p in hf.named_parameters():
       if "norm" in n or n.endswith("bias"):
         p.add_(0.2 * torch.randn_like(p))
-  arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "gemma2": gguf.MODEL_ARCH.GEMMA2}[name]
+  arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+          "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3_partial": gguf.MODEL_ARCH.PHI3}[name]
+  rope = conf.rope_parameters  # Gemma 3: one per layer type
   L = COMMON["num_hidden_layers"]
   path = str(tmp_path / f"{name}.gguf")
   w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
@@ -431,13 +438,19 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   w.add_head_count_kv(COMMON["num_key_value_heads"])
   w.add_key_length(COMMON["head_dim"])
   w.add_value_length(COMMON["head_dim"])
-  w.add_rope_freq_base(float(conf.rope_parameters["rope_theta"]))
+  w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
   w.add_layer_norm_rms_eps(conf.rms_norm_eps)
   w.add_vocab_size(COMMON["vocab_size"])
   if name == "gemma2":
     w.add_sliding_window(WINDOW)
     w.add_attn_logit_softcapping(conf.attn_logit_softcapping)
     w.add_final_logit_softcapping(conf.final_logit_softcapping)
+  if name == "gemma3":
+    w.add_sliding_window(WINDOW)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in conf.layer_types])
+    w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+  if name.startswith("phi3"):
+    w.add_rope_dimension_count(int(COMMON["head_dim"] * conf.partial_rotary_factor))
   names = gguf.get_tensor_name_map(arch, L)
   for key, t in hf.state_dict().items():
     base, suffix = key.rsplit(".", 1)
@@ -446,7 +459,7 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
     g = names.get_name(base)
     assert g is not None, key
     a = t.float().numpy()
-    if name == "gemma2" and base.endswith("norm"):
+    if name.startswith("gemma") and base.endswith("norm"):
       a = a + 1.0
     w.add_tensor(f"{g}.{suffix}", a)
   w.write_header_to_file()
@@ -454,7 +467,7 @@ def test_gguf_files_of_the_families_match_hf(name, tmp_path, monkeypatch):
   w.write_tensors_to_file()
   w.close()
   m = load_model(path, "float32", use_cache=False)
-  assert m.cfg.family == name
+  assert m.cfg.family == name.split("_")[0]
   err = _logits_error(m, hf, _prompt())
   assert err < 1e-4, (name, err)
 

@@ -2,10 +2,15 @@
 
 Uses the `gguf` package's reader and dequantizers. llama-family files store the
 attn_q / attn_k rows permuted for llama.cpp's pairwise RoPE; we undo that to get the
-HF layout. Qwen2, Qwen3 and Gemma 2 files are not permuted. Gemma 2 files store each
-RMSNorm weight as 1 + w (llama.cpp multiplies by it as it is), so their norms take no
+HF layout. Qwen2, Qwen3, Gemma 2/3 and Phi-3 files are not permuted. Gemma files store
+each RMSNorm weight as 1 + w (llama.cpp multiplies by it as it is), so their norms take no
 offset here; the file does not carry the query scale, which is llama.cpp's for the
-family: 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 46-layer model (27B).
+family: 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models (Gemma 2's 46
+layers, Gemma 3's 62), nor always Gemma's layer pattern (llama.cpp's default: every 2nd
+layer global in Gemma 2, every 6th in Gemma 3) or Gemma 3's local RoPE base (10,000).
+Phi-3 files keep q, k, v fused (attn_qkv) and gate, up fused (ffn_up), as HF does. A
+sliding window in the metadata applies to every layer of the other families (Mistral
+converted as a Llama file carries one only where the converter wrote it).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from jaxinfer.loading.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen2", "gemma2")
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen2", "gemma2", "gemma3", "phi3")
 
 _LAYER_NAMES = {
     "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
@@ -29,6 +34,9 @@ _LAYER_NAMES = {
     "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm",
 }
 _BIAS_NAMES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}  # Qwen2
+_FUSED_NAMES = {"attn_qkv": "wq+wk+wv", "ffn_up": "w_gate+w_up"}  # Phi-3 (split at load)
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's: every n-th layer global
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def open_gguf(path: str):
@@ -79,17 +87,16 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
   eos_ids = tuple(int(x) for x in (eot, eos) if x is not None)
   bos = field(reader, "tokenizer.ggml.bos_token_id")
   L = int(field(reader, f"{a}.block_count"))
-  gemma = arch == "gemma2"
-  extra = {}
-  if gemma:
+  if any(n.startswith("rope_factors") for n in names):
+    raise ModelLoadError(f"this {arch} GGUF file carries LongRoPE factors (rope_factors_long "
+                         "/ short), which jaxinfer does not apply; supported: files without "
+                         "them (Phi-3's 4K-context models)")
+  if arch in _GEMMA_PATTERN:
+    extra = _gemma_fields(reader, a, L, D, N, H)
+  else:  # a window in every layer where the file has one (Mistral's, Phi-3's)
     window = int(field(reader, f"{a}.attention.sliding_window", 0) or 0)
-    caps = [field(reader, f"{a}.{k}_logit_softcapping") for k in ("attn", "final")]
-    extra = dict(hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
-                 query_scale=(D / N if L == 46 else H) ** -0.5,
-                 attn_softcap=None if caps[0] is None else float(caps[0]),
-                 final_softcap=None if caps[1] is None else float(caps[1]),
-                 layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(L))
-                 if window else ())
+    extra = dict(partial_rotary=int(field(reader, f"{a}.rope.dimension_count", H)) / H,
+                 layer_windows=(window,) * L if window else ())
   return ModelConfig(
       name=name or str(field(reader, "general.name", arch)),
       family=arch, qkv_bias="blk.0.attn_q.bias" in names, **extra,
@@ -102,6 +109,28 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
       max_position=int(field(reader, f"{a}.context_length", 4096)),
       qk_norm="blk.0.attn_q_norm.weight" in names,
       bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(dict.fromkeys(eos_ids)))
+
+
+def _gemma_fields(reader, a: str, L: int, D: int, N: int, H: int) -> dict:
+  """Gemma 2/3's ModelConfig fields from a GGUF file (its layer pattern: a list of
+  booleans, True for a windowed layer, or every n-th layer global)."""
+  window = int(field(reader, f"{a}.attention.sliding_window", 0) or 0)
+  pattern = field(reader, f"{a}.attention.sliding_window_pattern", _GEMMA_PATTERN[a])
+  if isinstance(pattern, (list, tuple)):
+    if len(pattern) != L:
+      raise ModelLoadError(f"{a}.attention.sliding_window_pattern has {len(pattern)} "
+                           f"entries for {L} layers")
+    local = [bool(x) for x in pattern]
+  else:
+    local = [i % int(pattern) < int(pattern) - 1 for i in range(L)]
+  caps = [field(reader, f"{a}.{k}_logit_softcapping") for k in ("attn", "final")]
+  return dict(hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+              query_scale=(D / N if L == _GEMMA_27B_LAYERS[a] else H) ** -0.5,
+              attn_softcap=None if caps[0] is None else float(caps[0]),
+              final_softcap=None if caps[1] is None else float(caps[1]),
+              layer_windows=tuple(window if x else 0 for x in local) if window else (),
+              rope_local_theta=float(field(reader, f"{a}.rope.freq_base_swa", 10000.0))
+              if a == "gemma3" else None)
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -131,6 +160,7 @@ def load_gguf(path: str, name: str | None = None):
   reader = open_gguf(path)
   cfg = config_from_gguf(reader, name)
   permuted = field(reader, "general.architecture") == "llama"
+  fused = _fused_names(reader)
   layers = [dict() for _ in range(cfg.num_layers)]
   params = {"layers": layers}
   for t in reader.tensors:
@@ -140,6 +170,9 @@ def load_gguf(path: str, name: str | None = None):
       i, kind = int(parts[1]), parts[2]
       if parts[-1] == "bias" and kind in _BIAS_NAMES:
         layers[i][_BIAS_NAMES[kind]] = w
+        continue
+      if kind in fused and parts[-1] == "weight":
+        layers[i][fused[kind]] = w.T
         continue
       if kind not in _LAYER_NAMES or parts[-1] != "weight":
         log.warning("ignoring unknown GGUF tensor %s", t.name)
@@ -157,6 +190,10 @@ def load_gguf(path: str, name: str | None = None):
       params["lm_head"] = w.T  # [D, V]
     else:
       log.warning("ignoring unknown GGUF tensor %s", t.name)
+  if fused:
+    from jaxinfer.loading.safetensors_loader import split_fused
+    for layer in layers:
+      split_fused(layer, cfg)
   missing = [k for k in ("embed", "final_norm") if k not in params]
   if missing or any(len(l) < 9 for l in layers):
     raise ModelLoadError(f"GGUF file {path!r} lacks tensors: {missing or 'some layer weights'}")
@@ -164,7 +201,15 @@ def load_gguf(path: str, name: str | None = None):
 
 
 _MATMUL_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                 "ffn_down")
+                 "ffn_down", "attn_qkv")
+
+
+def _fused_names(reader) -> dict:
+  """GGUF tensor kind -> the model's fused name, for a file storing projections fused
+  (Phi-3: attn_qkv, and ffn_up holding gate then up where no ffn_gate exists)."""
+  if field(reader, "general.architecture") != "phi3":
+    return {}
+  return _FUSED_NAMES
 
 
 def _blocks_of(t):
@@ -187,6 +232,7 @@ def load_blocks(reader, cfg: ModelConfig):
   "scales": [L, N, K/32, S]}}, "lm_head": {...}} as numpy arrays (N = out, K = in); the
   groups of FUSED_GROUPS under one name ("wq+wk+wv": q rows, then k, then v)."""
   permuted = field(reader, "general.architecture") == "llama"
+  names = dict(_LAYER_NAMES, **_fused_names(reader))
   per_layer: dict = {}
   head = None
   for t in reader.tensors:
@@ -198,7 +244,7 @@ def load_blocks(reader, cfg: ModelConfig):
         shape = scales.shape
         codes = unpermute_qk(codes, n)
         scales = unpermute_qk(scales.reshape(shape[0], -1), n).reshape(shape)
-      per_layer.setdefault(_LAYER_NAMES[parts[2]], {})[int(parts[1])] = (codes, scales)
+      per_layer.setdefault(names[parts[2]], {})[int(parts[1])] = (codes, scales)
     elif t.name == "output.weight" or (t.name == "token_embd.weight" and cfg.tie_embeddings):
       head = _blocks_of(t)
   layers = {}

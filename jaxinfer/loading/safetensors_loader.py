@@ -25,7 +25,7 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "w_down", "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm", "self_attn.q_proj.bias": "bq",
     "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
-    # Phi-3 keeps q, k, v and gate, up side by side (split at load: _split_fused)
+    # Phi-3 keeps q, k, v and gate, up side by side (split at load: split_fused)
     "self_attn.qkv_proj.weight": "wq+wk+wv", "mlp.gate_up_proj.weight": "w_gate+w_up",
     # mixtures of experts: the router (each expert's matrices: _EXPERT_NAMES)
     "mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router",
@@ -189,8 +189,9 @@ def _moe_fields(c: dict, family: str, L: int, where: str) -> dict:
               first_dense_layers=len(dense))
 
 
-def _split_fused(layer: dict, cfg: ModelConfig) -> None:
-  """Phi-3's fused matrices ([in, out] after the transpose) into the model's names."""
+def split_fused(layer: dict, cfg: ModelConfig) -> None:
+  """Phi-3's fused matrices ([in, out] after the transpose) into the model's names (its
+  safetensors and GGUF files both keep them fused)."""
   NH, KH, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
       cfg.intermediate_size
   for key, sizes in (("wq+wk+wv", (NH, KH, KH)), ("w_gate+w_up", (F, F))):
@@ -276,7 +277,7 @@ def load_safetensors_dir(path: str, name: str | None = None):
         params["lm_head"] = w.T
   interleaved = cfg.mla and _hf_config(path).get("rope_interleave", True)
   for layer in layers:
-    _split_fused(layer, cfg)
+    split_fused(layer, cfg)
     _stack_experts(layer, cfg, path)
     if interleaved:
       _deinterleave_rope(layer, cfg)
