@@ -20,7 +20,7 @@ def full_logits(cfg, params, ids, kv_format="f32"):
   m = -(-n // PAD) * PAD
   page_size = 16
   pages = m // page_size
-  groups = max(len(kv_layout(cfg).windows), 1)  # a page table per layer group
+  groups = kv_layout(cfg).num_groups  # a page table per layer group
   table = [list(range(g * pages, (g + 1) * pages)) for g in range(groups)]
   ex = JaxExecutor(cfg, params, num_pages=pages * groups, page_size=page_size,
                    kv_format=kv_format, backend="reference")  # the plain jnp attention

@@ -59,6 +59,7 @@ class JaxExecutor:
     self.page_size = page_size
     self.kv_format = kv_format
     layout = kv_layout(cfg)  # page tables per layer group (sliding + full layers)
+    self.kv_groups = layout.num_groups
     self.kv_windows = layout.windows if layout.num_groups > 1 else ()
     self.backend = attention.check_backend(backend, q_precision)
     self.overlap_masks = (jax.default_backend() != "cpu") if overlap_masks is None else \
@@ -277,7 +278,7 @@ class JaxExecutor:
     for b in buckets:
       if b.prefill_slots == 0 and b.num_logits == b.num_requests:
         self.draft(StepInput(empty_step_arrays(b, self.num_pages,
-                                               groups=len(self.kv_windows) or 1), b, [], 0),
+                                               groups=self.kv_groups), b, [], 0),
                    num_layers)
     return time.perf_counter() - t0
 
@@ -290,7 +291,7 @@ class JaxExecutor:
     words = mask_words(self.vocab_size)
     for b in buckets:
       for lora in ((False, True) if self.lora_pool is not None else (False,)):
-        a = empty_step_arrays(b, self.num_pages, words, groups=len(self.kv_windows) or 1)
+        a = empty_step_arrays(b, self.num_pages, words, groups=self.kv_groups)
         mask = a.pop("token_mask")
         if lora:
           a["lora_slot"] = np.zeros(b.num_tokens, np.int32)

@@ -180,8 +180,8 @@ def write_tokens(pool: KVPool, k, v, page_ids, offsets, layout: KVLayout | None 
                  ) -> KVPool:
   """Store new tokens' K/V [L, T, K, H] at pages/offsets [T] (page id >= num_pages: skip).
 
-  One scatter per component per step (per layer group), into the donated pool (measured:
-  writing a stacked pool from every layer copies it; writing once per step does not).
+  One scatter per component per step (per layer group), into the donated pool, so the
+  stacked pool is updated in place rather than copied by a write from every layer.
   A grouped layout (page_ids [G, T]: each group's pages) writes each group's layers at
   their slots of that group's pages; an early-exit drafter's first L layers only those.
   """

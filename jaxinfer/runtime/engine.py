@@ -89,7 +89,7 @@ class Engine:
     self.tokenizer = tokenizer
     self.max_model_len = max_model_len
     # one page table per layer group where the executor's pool groups its layers
-    windows = getattr(executor, "kv_windows", ())
+    windows = executor.kv_windows
     if len(windows) > 1 and prefix_cache and host_cache_pages:
       raise ValueError(f"host_cache_pages={host_cache_pages}: the prefix cache's host tier "
                        "is not kept for a model whose layers have page tables per group "

@@ -138,8 +138,8 @@ class PageManager:
   def cacheable_pages(self, seq_id) -> Optional[List]:
     """The sequence's pages as the prefix cache holds them, or None when one was released
     behind a window (no whole prefix to offer)."""
-    pages = self._seqs[seq_id].pages
-    return None if HOLE in pages else pages
+    s = self._seqs[seq_id]
+    return None if s.released else s.pages
 
   def first_table(self, seq_id) -> List[int]:
     """The page table of the layers that keep the whole context."""
@@ -214,7 +214,7 @@ class PageManager:
     cow = new_num_tokens > s.num_tokens and PageManager.shares_tail(self, seq_id)
     need = new_pages + int(cow)
     from_reserve = min(need, s.reserved)
-    if PageManager.shortfall(self, seq_id, new_num_tokens) > self.num_available:
+    if need - from_reserve > self.num_available:  # PageManager.shortfall
       return None
     s.reserved -= from_reserve
     self._reserved_total -= from_reserve
@@ -470,10 +470,9 @@ class GroupedPages(PageManager):
       super().unreserve(k)
 
   def cacheable_pages(self, seq_id) -> Optional[List]:
-    tables = self.page_table(seq_id)
-    if any(HOLE in t for t in tables):
+    if any(self._seqs[k].released for k in self._sub(seq_id)):
       return None
-    return list(zip(*tables))
+    return list(zip(*self.page_table(seq_id)))
 
   def incref(self, pages: Iterable) -> None:
     super().incref(p for t in pages for p in t)

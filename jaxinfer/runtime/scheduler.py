@@ -140,6 +140,10 @@ class Scheduler:
     self.config = config
     self.pm = pages
     self.cache = prefix_cache
+    # the narrowest sliding window of the model's layers (0: none): past it, a request's
+    # first pages are released after each step
+    self._narrowest_window = min((w for w in pages.windows or (config.window,) if w),
+                                 default=0)
     self.max_step_tokens = max_step_tokens
     self.max_step_requests = max_step_requests
     self.step_model = step_model
@@ -573,9 +577,8 @@ class Scheduler:
     prefix cache on, the pages computed so far are offered to it before the first release
     (after which the request holds no whole prefix): later requests sharing the prompt hit
     them, and the cache gives them up under memory pressure like any other."""
-    windows = [w for w in self.pm.windows or (self.config.window,) if w]
-    if (self.cache is not None and windows
-        and r.num_computed - min(windows) + 1 >= self.pm.page_size):  # a release is due
+    w = self._narrowest_window
+    if self.cache is not None and w and r.num_computed - w + 1 >= self.pm.page_size:
       pages = self.pm.cacheable_pages(r.request_id)
       if pages is not None:
         self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed], pages)
