@@ -21,6 +21,7 @@ KV_FORMATS = ("f32", "bf16", "fp8", "q8_0", "q4_0")
 ATTENTION = ("xla", "reference", "pallas")
 SPECULATIVE = ("none", "ngram", "early_exit", "draft_model")
 WEIGHT_FORMATS = ("dense", "gguf")
+GGUF_ACTIVATIONS = ("q8", "f32")
 
 
 def _none_if_falsy(v):
@@ -42,6 +43,10 @@ class EngineConfig:
       "dense", "dense: weights dequantized to --dtype; gguf (a .gguf model on CPU): steps of "
       "few tokens multiply by the file's own Q4_0/Q4_1/Q8_0 blocks in place (the same "
       "weights, about 5x fewer bytes read per decode step, 8.4.1)", choices=WEIGHT_FORMATS)
+  gguf_activations: str = _opt(
+      "q8", "weight_format=gguf: the block products' activations. q8: quantized to 8 bits "
+      "per block of 32 and multiplied in integers, as llama.cpp does; f32: float32 products, "
+      "equal to the dense weights' up to summation order", choices=GGUF_ACTIVATIONS)
   scan_layers: bool = _opt(
       True, "layer loop: lax.scan over stacked weights (compiles fast), or one block per "
       "layer (each shape compiles slower)", flag="layers", choices=("scan", "unrolled"),

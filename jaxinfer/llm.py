@@ -153,7 +153,7 @@ class LLM:
                              offload=offload, q_precision=c.q_precision,
                              lora_adapters=adapters, max_loras=max_loras,
                              max_lora_rank=max_lora_rank if max_loras else 0, devices=devices,
-                             ep=self.mesh.ep)
+                             ep=self.mesh.ep, gguf_activations=c.gguf_activations)
       drafter = make_drafter(c.speculative,
                              early_exit_layers=c.early_exit_layers or self.cfg.num_layers // 2,
                              draft_model=draft_model, draft_pages=num_pages)

@@ -1,6 +1,6 @@
 """Which backend room serves a platform: the one table that names them.
 
-A room gives `prepare(params)` (the weights in the forms the platform runs fastest, once,
+A room gives `prepare(params, gguf_activations)` (the weights in the forms the platform runs fastest, once,
 when an executor is built on one device), `compiler_options(unrolled)` (the step
 functions' XLA options) and `argmax(x)` (the sampler's greedy pick). Platforms without a
 room run the generic model: dense weights, XLA's defaults, jnp.argmax.
@@ -13,7 +13,7 @@ import types
 from jaxinfer.sampling import greedy
 
 ROOMS = {"cpu": "pallas_kernels.cpu"}
-GENERIC = types.SimpleNamespace(prepare=lambda params: params,
+GENERIC = types.SimpleNamespace(prepare=lambda params, gguf_activations="q8": params,
                                 compiler_options=lambda unrolled: {}, argmax=greedy)
 
 

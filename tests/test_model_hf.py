@@ -55,16 +55,19 @@ def hf_greedy(smollm2, hf_smollm2):
                                     min_new_tokens=32)[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("weight_format", ["dense", "gguf"])
-def test_smollm2_greedy_matches_hf(smollm2, hf_greedy, weight_format):
+@pytest.mark.parametrize("weight_format,activations", [("dense", "q8"), ("gguf", "f32"),
+                                                      ("gguf", "q8")])
+def test_smollm2_greedy_matches_hf(smollm2, hf_greedy, weight_format, activations):
   """gguf: the decode steps multiply by the file's own Q4_1 / Q8_0 blocks (the prompt's
-  step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy."""
+  step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy; with
+  8-bit activations (llama.cpp's products) too, on this prompt."""
   from pallas_kernels.cpu import gguf
   if weight_format == "gguf" and not gguf.available():
     pytest.skip("the block matmul needs the native CPU library")
   from jaxinfer.llm import LLM
   ids, ref = hf_greedy
-  llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, weight_format=weight_format)
+  llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, weight_format=weight_format,
+                        gguf_activations=activations)
   from jaxinfer.config import SamplingParams
   out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
   assert out.token_ids == ref

@@ -41,7 +41,9 @@ from jaxinfer import strict_json  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "model name or GGUF path")
 flags.DEFINE_list("scenarios", ["single", "batch"], "single and/or batch")
-flags.DEFINE_list("weight_formats", ["gguf", "dense"], "single: dense (f32) and/or gguf")
+flags.DEFINE_list("weight_formats", ["gguf", "dense"], "single: dense (f32 weights), gguf "
+                  "(the file's blocks, 8-bit activations as llama.cpp) and/or gguf_f32 (the "
+                  "blocks with float32 activations)")
 flags.DEFINE_list("batch_sizes", ["16", "64"], "batch: prompts per job")
 flags.DEFINE_string("batch_weight_format", "dense", "batch: dense or gguf")
 flags.DEFINE_integer("prompt_len", 256, "tokens per prompt")
@@ -56,6 +58,9 @@ flags.DEFINE_bool("llama_cpp", True, "llama.cpp in the same run (if llama-cpp-py
 flags.DEFINE_integer("llama_cpp_batch_prompts", 4, "batch rows: llama.cpp runs this many of "
                      "the prompts one after another (its per-request rate, labelled so)")
 flags.DEFINE_string("output_dir", "", "write bench_e2e.json here")
+
+
+WEIGHT_FORMATS = ("dense", "gguf", "gguf_f32")
 
 
 def prompts(n: int, length: int, vocab: int):
@@ -76,7 +81,10 @@ class Ours:
     kw = {"max_num_batched_tokens": FLAGS.max_num_batched_tokens} \
         if FLAGS.max_num_batched_tokens else {}
     t = time.perf_counter()
-    self.llm = jaxinfer.LLM(model, weight_format=weight_format, max_num_seqs=n, **kw)
+    if weight_format == "gguf_f32":
+      kw["gguf_activations"] = "f32"
+    self.llm = jaxinfer.LLM(model, weight_format=weight_format.split("_")[0], max_num_seqs=n,
+                            **kw)
     self.start_s = time.perf_counter() - t
     self.name = f"jaxinfer {weight_format}"
 
@@ -199,8 +207,8 @@ def main(argv):
       print(f"error: --scenarios: unknown {s!r} (single, batch)", file=sys.stderr)
       sys.exit(2)
   for wf in FLAGS.weight_formats + [FLAGS.batch_weight_format]:
-    if wf not in ("dense", "gguf"):
-      print(f"error: unknown weight format {wf!r} (dense, gguf)", file=sys.stderr)
+    if wf not in WEIGHT_FORMATS:
+      print(f"error: unknown weight format {wf!r} {WEIGHT_FORMATS}", file=sys.stderr)
       sys.exit(2)
   if FLAGS.rounds < 1 or FLAGS.prompt_len < 1 or FLAGS.single_new_tokens < 2 or \
       FLAGS.batch_new_tokens < 2:
@@ -214,7 +222,7 @@ def main(argv):
   wbytes = {"dense": costs.d_w}
   if gguf is not None:
     # a gguf decode step reads the blocks as held (codes + float32 scales)
-    wbytes["gguf"] = sum(a.nbytes for a in jax.tree_util.tree_leaves(
+    wbytes["gguf"] = wbytes["gguf_f32"] = sum(a.nbytes for a in jax.tree_util.tree_leaves(
         gguf.params.get("blocks", {})))
   bw_probe = bm.ReadProbe()
   hf = Hf(path) if FLAGS.hf and path.endswith(".gguf") else None
@@ -280,17 +288,17 @@ def main(argv):
 
   if "single" in FLAGS.scenarios:
     for wf in FLAGS.weight_formats:
-      if wf == "gguf" and gguf is None:
-        print("single gguf skipped: the model is not a .gguf file", file=sys.stderr)
+      if wf.startswith("gguf") and gguf is None:
+        print(f"single {wf} skipped: the model is not a .gguf file", file=sys.stderr)
         continue
-      ours = Ours(gguf if wf == "gguf" else FLAGS.model, wf, 1)
+      ours = Ours(gguf if wf.startswith("gguf") else FLAGS.model, wf, 1)
       job("single", 1, FLAGS.single_new_tokens, wf, ours)
       del ours
       jax.clear_caches()
   if "batch" in FLAGS.scenarios:
     wf = FLAGS.batch_weight_format
     for n in sizes:
-      ours = Ours(gguf if wf == "gguf" else FLAGS.model, wf, n)
+      ours = Ours(gguf if wf.startswith("gguf") else FLAGS.model, wf, n)
       job("batch", n, FLAGS.batch_new_tokens, wf, ours)
       del ours
       jax.clear_caches()

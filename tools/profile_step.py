@@ -42,6 +42,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("kv_format", "f32", "KV format")
   flags.DEFINE_enum("weight_format", "dense", ["dense", "gguf"], "dense f32 weights, or the "
                     "GGUF file's own blocks read in place (steps of few tokens)")
+  flags.DEFINE_enum("gguf_activations", "q8", ["q8", "f32"], "gguf: the block products' "
+                    "activations (8-bit as llama.cpp, or float32)")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dense weights' dtype "
                     "(bfloat16: bf16 x bf16 -> f32 matmuls, as bench_decode's bf16 rows)")
   flags.DEFINE_integer("steps", 3, "profiled steps (after 3 untimed ones)")
@@ -120,7 +122,7 @@ def _profile(dump: str):
     params = jax.tree_util.tree_map(jax.numpy.array, unstack_layers(params))
   step, pages = bm.uniform_step(FLAGS.batch, FLAGS.context, FLAGS.new_tokens, 16)
   ex = JaxExecutor(m.cfg, params, num_pages=pages, page_size=16, kv_format=FLAGS.kv_format,
-                   backend=FLAGS.attention)
+                   backend=FLAGS.attention, gguf_activations=FLAGS.gguf_activations)
   wall = bm.time_step(ex, step, max(FLAGS.steps, 3))
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):

@@ -32,7 +32,8 @@ class JaxExecutor:
                q_precision: str = "compute", overlap_masks: Optional[bool] = None,
                lora_adapters: Sequence = (), max_loras: int = 0, max_lora_rank: int = 0,
                lora_targets: Sequence[str] = (), lora_mode: Optional[str] = None,
-               devices: Optional[Sequence] = None, ep: int = 1):
+               devices: Optional[Sequence] = None, ep: int = 1,
+               gguf_activations: str = "q8"):
     """q_precision: Q against the KV format (attention.AttentionSpec, 8.4.4).
     offload: an OffloadConfig — those layers' FFN weights stay in host memory and are
     streamed in each step (executors/offload.py).
@@ -83,7 +84,8 @@ class JaxExecutor:
         self.params = jax.device_put(params, self.devices[0])
       self.pool = allocate_pool(cfg, kv_format, num_pages, page_size, self.devices[0])
       # the weights in the forms this platform runs fastest (CPU: packed layouts)
-      self.params = platforms.room(self.devices[0].platform).prepare(self.params)
+      self.params = platforms.room(self.devices[0].platform).prepare(
+          self.params, gguf_activations=gguf_activations)
     self.host_pages = {}  # host-tier slot -> {component: numpy page}
     self._steps = steps_for(params, self.devices[0].platform)
     self.streamer = None

@@ -5,7 +5,8 @@ decode attention call (decode.py / decode.cc) and the weight matmuls over packed
 (panels, tiles, GGUF blocks: weights.py). Above this room the model sees typed weights
 and one attention entry point; the step asks `jaxinfer.platforms` for the room of its
 platform, which gives:
-  prepare(params)            the weights in the forms this CPU runs fastest (weights.py)
+  prepare(params, gguf_activations)  the weights in the forms this CPU runs fastest
+                             (weights.py)
   compiler_options(unrolled) XLA:CPU options for the step functions
   argmax(x)                  the sampler's greedy pick, in a form XLA:CPU reduces fast
 """

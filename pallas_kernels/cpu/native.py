@@ -68,6 +68,11 @@ def _flags() -> list:
   if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= words:
     v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= words
     flags.append("-march=x86-64-v4" if v4 else "-march=x86-64-v3")
+    # integer dot products for gguf.cc's quantized-activation path
+    if v4 and "avx512_vnni" in words:
+      flags.append("-mavx512vnni")
+    elif "avx_vnni" in words:
+      flags.append("-mavxvnni")
   return flags
 
 

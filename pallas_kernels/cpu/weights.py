@@ -6,7 +6,8 @@ by the layer scan, which XLA:CPU does by copying every layer's weights on every 
   Panels  f32 weights in column panels (AVX-512, or AVX2 + FMA; panels.py)
   Tiles   bf16 weights in AMX's tile layout, run on AMX or AVX512-BF16 (tiles.py)
   Blocks  a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (gguf.py) for steps of up to
-          GGUF_MAX_ROWS rows, its dense copy for larger ones (`for_rows`)
+          GGUF_MAX_ROWS rows, its dense copy for larger ones (`for_rows`); the products'
+          activations float32 or quantized to 8 bits as llama.cpp's (`activations`)
   Half    bf16 weights XLA multiplies itself: held as uint16 bit patterns in the stack,
           because XLA:CPU copies a scanned bf16 slice element by element through float32,
           and padded to HALF_MIN_ROWS rows, because it runs a bf16 dot of fewer rows as a
@@ -73,15 +74,18 @@ class Tiles(_Stacked):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["codes", "scales", "layer", "dense"],
-                   meta_fields=["splits"])
+                   meta_fields=["splits", "activations"])
 @dataclasses.dataclass(frozen=True)
 class Blocks(_Stacked):
-  """GGUF blocks, with the dense form (a jaxinfer.model.linear weight) larger steps use."""
+  """GGUF blocks, with the dense form (a jaxinfer.model.linear weight) larger steps use.
+  activations: "q8" (x quantized per block of 32, integer products, as llama.cpp) or
+  "f32" (float32 products equal to the dense weights')."""
   codes: Any
   scales: Any
   layer: Any = None
   dense: Any = None
   splits: Tuple[int, ...] = ()
+  activations: str = "q8"
 
   def for_rows(self, rows: int):
     if rows <= GGUF_MAX_ROWS:
@@ -91,7 +95,7 @@ class Blocks(_Stacked):
     return self.dense
 
   def matmul(self, x):
-    return gguf.matmul(x, self.codes, self.scales, self.layer)
+    return gguf.matmul(x, self.codes, self.scales, self.layer, activations=self.activations)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -216,7 +220,7 @@ def _halves(params) -> dict:
   return out
 
 
-def _gguf(params) -> dict:
+def _gguf(params, activations: str) -> dict:
   """params["blocks"] (jaxinfer/loading/gguf_loader.load_blocks: {"layers": {name or
   fused names: {"codes", "scales"}}, "lm_head": ...}) as `Blocks`, each over the dense
   weights it replaces."""
@@ -232,7 +236,7 @@ def _gguf(params) -> dict:
       if not stacked:  # a per-layer dict holds its own layer's blocks
         codes, scales = codes[i], scales[i]
       dense = Parts(tuple(out.pop(n) for n in names))
-      out[key] = Blocks(codes, scales, None, dense, dense.splits)
+      out[key] = Blocks(codes, scales, None, dense, dense.splits, activations)
     return out
 
   layers = layer(layers, None) if stacked else [layer(p, i) for i, p in enumerate(layers)]
@@ -241,20 +245,24 @@ def _gguf(params) -> dict:
   out = {k: v for k, v in params.items() if k != "blocks"}
   out["layers"] = layers
   out["lm_head"] = Blocks(blocks["lm_head"]["codes"], blocks["lm_head"]["scales"], None,
-                          dense, dense.splits)
+                          dense, dense.splits, activations)
   return out
 
 
-def prepare(params):
+def prepare(params, gguf_activations: str = "q8"):
   """The weights a single-device CPU executor holds, converted once: GGUF blocks where the
-  model carries them, else the stacked weights in the native layout of their dtype where
-  this CPU runs one, else bf16 weights as `Half`; f32 weights without AVX2 stay dense
-  (XLA's own dot). Weights already prepared, or none, are returned as they are."""
+  model carries them (their products' activations `gguf_activations`: gguf.ACTIVATIONS),
+  else the stacked weights in the native layout of their dtype where this CPU runs one,
+  else bf16 weights as `Half`; f32 weights without AVX2 stay dense (XLA's own dot).
+  Weights already prepared, or none, are returned as they are."""
+  if gguf_activations not in gguf.ACTIVATIONS:
+    raise ValueError(f"gguf_activations must be one of {gguf.ACTIVATIONS}, got "
+                     f"{gguf_activations!r}")
   layers = params.get("layers") if isinstance(params, dict) else None
   if layers is None or is_prepared(params):
     return params
   if "blocks" in params:
-    return _gguf(params)
+    return _gguf(params, gguf_activations)
   if isinstance(layers, dict) and "wq" in layers:
     packed = _packed(params)
     if packed is not None:
