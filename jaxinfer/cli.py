@@ -312,6 +312,13 @@ def _cache(action: str) -> None:
               "hf": "HF transformers' float32 copies of GGUF models (the benchmarks' peer)"}.get(
           e, "?")
       cfg = os.path.join(path, "model_config.json")
+      arrays = os.path.join(path, "checksum")
+      if not os.path.isfile(cfg) and os.path.isfile(arrays):
+        try:
+          with open(arrays) as f:
+            what = json.load(f).get("what", what)
+        except (OSError, ValueError, AttributeError):
+          pass
       if e.endswith(".tokenizer") and os.path.isfile(os.path.join(path,
                                                                   "tokenizer_meta.json")):
         what = "the tokenizer of the converted weights beside it"

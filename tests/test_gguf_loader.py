@@ -278,3 +278,38 @@ def test_a_warm_load_reads_the_cached_tokenizer_and_a_damaged_one_is_rebuilt(cap
     gguf_loader.open_gguf = real
   from jaxinfer.loading import tokenizer as tok
   tok.load_saved(str(tok_dir))  # rewritten whole
+
+
+def test_gguf_blocks_are_cached_and_a_damaged_entry_is_read_again(tmp_path, caplog,
+                                                                  no_tokenizer, monkeypatch):
+  """weight_format="gguf": the file's blocks are cached beside the converted weights, so a
+  warm start parses none of the file; flipped bytes in the entry are caught by its CRC and
+  the blocks are read from the file again."""
+  from pallas_kernels.cpu import gguf as native_gguf
+  if not native_gguf.available():
+    pytest.skip("weight_format='gguf' needs the native CPU library")
+  import jax
+  from jaxinfer.loading import checkpoint, load_model
+  path = str(tmp_path / "tiny.gguf")
+  write_llama_gguf(path, "Q8_0")
+  cache = tmp_path / "cache"
+  want = load_model(path, cache_dir=str(cache), weight_format="gguf").params["blocks"]
+  entries = [d for d in cache.iterdir() if (d / "checksum").is_file()
+             and not checkpoint.is_checkpoint(str(d))]
+  assert len(entries) == 1, list(cache.iterdir())
+
+  def same(got):
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  real = gguf_loader.load_blocks
+  monkeypatch.setattr(gguf_loader, "load_blocks", lambda *a: pytest.fail("file read again"))
+  same(load_model(path, cache_dir=str(cache), weight_format="gguf").params["blocks"])
+  monkeypatch.setattr(gguf_loader, "load_blocks", real)
+  data = entries[0] / checkpoint.FLAT_DATA
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  data.write_bytes(bytes(raw))
+  same(load_model(path, cache_dir=str(cache), weight_format="gguf").params["blocks"])
+  assert "ignoring the cached GGUF blocks" in caplog.text and "is damaged" in caplog.text

@@ -123,6 +123,46 @@ def _read_flat(path: str, cfg: ModelConfig, dtype):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def save_arrays(path: str, tree, what: str) -> None:
+  """A nested dict of arrays (any dtypes) in the flat layout with a `checksum` record
+  (its CRC-32, and `what` it holds, for `cache list`): the GGUF block weights' cache entry."""
+  os.makedirs(path, exist_ok=True)
+  _save_flat(path, tree)
+  with open(os.path.join(path, "checksum"), "w") as f:
+    json.dump({"arrays_crc32": params_checksum(tree), "what": what}, f)
+
+
+def load_arrays(path: str):
+  """The nested dict `save_arrays` wrote, as host arrays mapped from its file, its CRC
+  verified. ModelLoadError on anything missing, truncated or changed."""
+  import re
+
+  import numpy as np
+  try:
+    with open(os.path.join(path, FLAT_INDEX)) as f:
+      index = json.load(f)
+    with open(os.path.join(path, "checksum")) as f:
+      want = json.load(f)["arrays_crc32"]
+    data = np.memmap(os.path.join(path, FLAT_DATA), np.uint8, mode="r")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ModelLoadError(f"array cache {path!r} is unreadable ({e})") from None
+  tree: dict = {}
+  for e in index:
+    keys = re.findall(r"\['([^']*)'\]", e["name"])
+    dt = np.dtype(e["dtype"])
+    n = int(np.prod(e["shape"], dtype=np.int64)) * dt.itemsize
+    if not keys or e["offset"] + n > data.size:
+      raise ModelLoadError(f"array cache {path!r}: tensor {e['name']} is truncated or unnamed")
+    node = tree
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    node[keys[-1]] = data[e["offset"]:e["offset"] + n].view(dt).reshape(e["shape"])
+  got = params_checksum(tree)
+  if got != want:
+    raise ModelLoadError(f"array cache {path!r} is damaged (CRC-32 {got}, saved {want})")
+  return tree
+
+
 def is_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, "model_config.json")) and (
       os.path.isdir(os.path.join(path, "params"))

@@ -256,14 +256,17 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", *, scan_layer
   params = stack_layers(params) if scan_layers else unstack_layers(params)
   loaded = LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=path)
   if weight_format == "gguf":
-    loaded = with_weight_format(loaded, "gguf")
+    loaded = with_weight_format(loaded, "gguf", cache_dir=cache_dir, use_cache=use_cache)
   log.info("loaded %s (%s, %s) in %.2fs", cfg.name, path, dtype, time.perf_counter() - t0)
   return loaded
 
 
-def with_weight_format(loaded: LoadedModel, weight_format: str) -> LoadedModel:
+def with_weight_format(loaded: LoadedModel, weight_format: str, *,
+                       cache_dir: Optional[str] = None, use_cache: bool = True) -> LoadedModel:
   """The same model with its GGUF block weights added ("gguf": read from loaded.source, a
-  .gguf file; ~0.3 s for SmolLM2) or dropped ("dense"); unchanged when already so."""
+  .gguf file, and kept in the cache, keyed by the file's content, for the next start, which
+  then parses none of the file's metadata) or dropped ("dense"); unchanged when already
+  so."""
   check_weight_format(weight_format)
   has = "blocks" in loaded.params
   if weight_format == "dense":
@@ -275,10 +278,36 @@ def with_weight_format(loaded: LoadedModel, weight_format: str) -> LoadedModel:
     return loaded
   if not str(loaded.source).endswith(".gguf"):
     raise ValueError(f"weight_format='gguf' needs a .gguf model; {loaded.source!r} is not one")
-  from jaxinfer.loading import gguf_loader
-  blocks = gguf_loader.load_blocks(gguf_loader.open_gguf(loaded.source), loaded.cfg)
+  blocks = _gguf_blocks(loaded, cache_dir, use_cache and jax.process_count() == 1)
   params = dict(loaded.params, blocks=jax.tree_util.tree_map(jnp.asarray, blocks))
   return dataclasses.replace(loaded, params=params)
+
+
+def _gguf_blocks(loaded: LoadedModel, cache_dir: Optional[str], use_cache: bool):
+  """The GGUF file's block weights (gguf_loader.load_blocks), from the cache when an entry
+  for this file and layout is there and intact, else read and cached."""
+  from jaxinfer.loading import checkpoint, gguf_loader
+  cfg = loaded.cfg
+  entry = None
+  if use_cache:
+    label = f"gguf-blocks:{cfg.num_layers}:{cfg.num_heads}:{cfg.num_kv_heads}"
+    entry = os.path.join(cache_dir or default_cache_dir(), cache_key(loaded.source, label))
+    if os.path.isdir(entry):
+      try:
+        return checkpoint.load_arrays(entry)
+      except ModelLoadError as e:
+        log.warning("ignoring the cached GGUF blocks (%s); reading the file's", e)
+        import shutil
+        shutil.rmtree(entry, ignore_errors=True)
+  blocks = gguf_loader.load_blocks(gguf_loader.open_gguf(loaded.source), cfg)
+  if entry is not None:
+    try:
+      what = f"the GGUF block weights of {cfg.name}"
+      publish_dir(entry, lambda tmp: checkpoint.save_arrays(tmp, blocks, what),
+                  lambda d: os.path.isfile(os.path.join(d, "checksum")))
+    except OSError as e:  # a read-only home must not stop a load
+      log.warning("could not cache the GGUF blocks in %s: %s", entry, e)
+  return blocks
 
 
 def _checkpoint_tokenizer(path: str, cfg: ModelConfig):
