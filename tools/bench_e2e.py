@@ -52,6 +52,7 @@ flags.DEFINE_integer("batch_new_tokens", 160, "batch: tokens out per prompt")
 flags.DEFINE_integer("rounds", 3, "rounds per row (systems alternate inside a round)")
 flags.DEFINE_integer("max_num_batched_tokens", 0, "the engine's token budget (0: LLM's "
                      "default)")
+flags.DEFINE_string("policy", "", "the engine's scheduling policy (empty: LLM's default)")
 flags.DEFINE_bool("hf", True, "HF transformers in the same run (if installed)")
 flags.DEFINE_bool("llama_cpp", True, "llama.cpp in the same run (if llama-cpp-python is "
                   "installed: tools/install_peers.sh)")
@@ -80,6 +81,8 @@ class Ours:
     import jaxinfer
     kw = {"max_num_batched_tokens": FLAGS.max_num_batched_tokens} \
         if FLAGS.max_num_batched_tokens else {}
+    if FLAGS.policy:
+      kw["policy"] = FLAGS.policy
     t = time.perf_counter()
     if weight_format == "gguf_f32":
       kw["gguf_activations"] = "f32"
@@ -245,7 +248,7 @@ def main(argv):
     rounds = []
     for r in range(FLAGS.rounds):
       bw = bw_probe.median(3)
-      rp = rate_pre()
+      rp = rate_pre(3)  # median of three per shape: one run read 121-189 GFLOP/s in an hour
       fp, fd = floors(costs, wbytes[wf], n, FLAGS.prompt_len, new, bw, rp)
       got = {"bw_gbs": bw / 1e9, "matmul_prefill_gflops": rp / 1e9, "floor_s": fp + fd,
              "floor_prefill_s": fp, "floor_decode_s": fd, ours.name: ours.run(ps, new)}
