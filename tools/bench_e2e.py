@@ -248,7 +248,7 @@ def main(argv):
     rounds = []
     for r in range(FLAGS.rounds):
       bw = bw_probe.median(3)
-      rp = rate_pre(3)  # median of three per shape: one run read 121-189 GFLOP/s in an hour
+      rp = rate_pre(3)  # each shape its median of three: one run swings with the VM
       fp, fd = floors(costs, wbytes[wf], n, FLAGS.prompt_len, new, bw, rp)
       got = {"bw_gbs": bw / 1e9, "matmul_prefill_gflops": rp / 1e9, "floor_s": fp + fd,
              "floor_prefill_s": fp, "floor_decode_s": fd, ours.name: ours.run(ps, new)}
