@@ -130,9 +130,11 @@ def _check_engine_flags():
   None."""
   if FLAGS.speculative == "draft_model" and not FLAGS.draft_model:
     _usage_error("--speculative=draft_model needs --draft_model=NAME|PATH")
-  for name in ("page_size", "num_pages", "num_draft", "max_num_batched_tokens", "max_num_seqs"):
+  for name in ("page_size", "num_draft", "max_num_batched_tokens", "max_num_seqs"):
     if getattr(FLAGS, name) < 1:
       _usage_error(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  if FLAGS.num_pages < 0:
+    _usage_error(f"--num_pages must be 0 (auto) or >= 1, got {FLAGS.num_pages}")
   loras = _lora_flags()
   if FLAGS.lora_name is not None and FLAGS.lora_name not in loras:
     _usage_error(f"--lora_name={FLAGS.lora_name}: no such --lora (given: {sorted(loras)})")

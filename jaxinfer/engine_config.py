@@ -22,6 +22,11 @@ ATTENTION = ("xla", "reference", "pallas")
 SPECULATIVE = ("none", "ngram", "early_exit", "draft_model")
 WEIGHT_FORMATS = ("dense", "gguf")
 GGUF_ACTIVATIONS = ("q8", "f32")
+# num_pages=None (auto): the pool holds max_num_seqs requests of this many tokens, within
+# these bounds (a pool is zeroed at start-up, so its size is start-up time too)
+AUTO_TOKENS_PER_SEQ = 512
+AUTO_MIN_PAGES = 1024
+AUTO_MAX_KV_BYTES = 4 << 30
 
 
 def _none_if_falsy(v):
@@ -59,11 +64,17 @@ class EngineConfig:
       "xla", "attention backend: xla (XLA ops; on CPU the native decode call), reference "
       "(the jnp oracle), pallas (GPU kernels)", choices=ATTENTION)
   page_size: int = _opt(16, "tokens per KV page")
-  num_pages: int = _opt(1024, "KV pool size in pages (per replica)")
+  num_pages: Optional[int] = _opt(
+      None, "KV pool size in pages per replica (0 = auto: room for --max_num_seqs requests "
+      f"of {AUTO_TOKENS_PER_SEQ} tokens each, at least {AUTO_MIN_PAGES} pages and at most "
+      f"{AUTO_MAX_KV_BYTES >> 30} GiB of KV)", flag_default=0, from_flag=_none_if_falsy)
   max_model_len: Optional[int] = _opt(None, "context window (0 = the model's)",
                                       flag_default=0, from_flag=_none_if_falsy)
-  policy: str = _opt("chunked", "scheduling policy (8.2; separate: an admitted prefill runs "
-                     "as its own iteration, 8.1.1)", choices=POLICIES)
+  policy: str = _opt(
+      "auto", "scheduling policy (8.2). auto: chunked when serving (decodes keep their pace "
+      "while prompts arrive, 8.2.2), separate for offline batches (prefills first, each its "
+      "own iteration, 8.1.1: the job's throughput and TTFT; docs/performance.md)",
+      choices=("auto",) + POLICIES)
   max_num_batched_tokens: int = _opt(256, "largest token bucket: new tokens per step "
                                      "(8.2.4's token budget)")
   max_num_seqs: int = _opt(64, "largest request bucket: requests per step (generate: at most "
@@ -117,6 +128,23 @@ class EngineConfig:
   def __post_init__(self):
     self.validate()
 
+  def pool_pages(self, page_bytes: int, max_requests: int) -> int:
+    """The KV pool's pages per replica: num_pages, or (None) room for max_requests requests
+    of AUTO_TOKENS_PER_SEQ tokens, at least AUTO_MIN_PAGES and at most AUTO_MAX_KV_BYTES
+    of pages of page_bytes each (the cap never goes under the minimum)."""
+    if self.num_pages is not None:
+      return self.num_pages
+    want = max_requests * -(-AUTO_TOKENS_PER_SEQ // self.page_size)
+    return max(AUTO_MIN_PAGES, min(want, AUTO_MAX_KV_BYTES // max(page_bytes, 1)))
+
+  def scheduling_policy(self, serving: bool) -> str:
+    """The scheduler's policy: `policy`, or for "auto" chunked when serving and separate
+    for offline batches (whose requests all arrive at once: prefill-first finishes the job
+    sooner and gives its first tokens sooner; docs/performance.md has the A/B)."""
+    if self.policy != "auto":
+      return self.policy
+    return "chunked" if serving else "separate"
+
   def replace(self, **kw) -> "EngineConfig":
     return dataclasses.replace(self, **kw)
 
@@ -133,11 +161,12 @@ class EngineConfig:
                  "prefix_cache", "adaptive_draft"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    for name, lo in (("page_size", 1), ("num_pages", 1), ("num_draft", 1),
+    for name, lo in (("page_size", 1), ("num_draft", 1),
                      ("max_num_batched_tokens", 1), ("max_num_seqs", 1),
                      ("host_cache_pages", 0), ("max_lora_rank", 1)):
       _check_int(name, getattr(self, name), lo)
-    for name, lo in (("max_model_len", 2), ("early_exit_layers", 1), ("max_loras", 0)):
+    for name, lo in (("max_model_len", 2), ("early_exit_layers", 1), ("max_loras", 0),
+                     ("num_pages", 1)):
       if getattr(self, name) is not None:
         _check_int(name, getattr(self, name), lo)
     if self.buckets is not None and not isinstance(self.buckets, (str, BucketTable)):

@@ -97,7 +97,7 @@ class LLM:
     max_loras = min(len(lora_adapters), 8) if c.max_loras is None else c.max_loras
     from jaxinfer.loading.registry import check_weight_format
     check_weight_format(c.weight_format)
-    dtype, kv_format, page_size, num_pages = c.dtype, c.kv_format, c.page_size, c.num_pages
+    dtype, kv_format, page_size = c.dtype, c.kv_format, c.page_size
     offload, max_lora_rank, draft_model = c.offload, c.max_lora_rank, c.draft_model
     # `model`: a name or path, or an already loaded model (LoadedModel).
     from jaxinfer.loading.registry import with_weight_format
@@ -117,6 +117,7 @@ class LLM:
     from jaxinfer.kv import page_bytes as pool_page_bytes
     bpp = 2 if dtype == "bfloat16" else 4
     page_bytes = pool_page_bytes(self.cfg, kv_format, page_size)  # one group's layers
+    num_pages = c.pool_pages(page_bytes, self.buckets.max_requests)
     if offload is not None and offload.layers:  # the net saving holds more KV (8.4.3)
       extra = kv_pages_freed(self.cfg, offload, bpp, page_bytes)
       log.info("weight offload frees %.1f MiB net: %d more KV pages",
@@ -136,7 +137,7 @@ class LLM:
       log.info("LoRA slots take %d KV pages' device memory", taken)
       num_pages -= taken
     sched = c.scheduler or SchedulerConfig(
-        policy=c.policy, max_running=self.buckets.max_requests,
+        policy=c.scheduling_policy(serving=False), max_running=self.buckets.max_requests,
         token_budget=self.buckets.max_tokens, chunk_size=self.buckets.max_tokens,
         deadline_admission=c.deadline_admission, cache_key=(self.cfg.name, "", kv_format),
         window=self.cfg.windows[0] if len(set(self.cfg.windows)) == 1 else 0)
@@ -170,6 +171,15 @@ class LLM:
       self.engine = Router(engines, c.routing)
     self.warmup_s = self.engine.warmup(progress=True, structured=c.structured_output) \
         if c.warmup else 0.0
+
+  def use_serving_policy(self) -> None:
+    """The server calls this before its first request: policy "auto" schedules chunked
+    (8.2.2) while serving; an explicit policy, or a scheduler given whole, is kept. The
+    engine must be idle."""
+    if self.config.policy != "auto" or self.config.scheduler is not None:
+      return
+    for e in self.replicas:
+      e.set_policy(self.config.scheduling_policy(serving=True))
 
   def add_lora(self, name: str, path: str) -> None:
     """Register one more PEFT adapter (vLLM's load_lora_adapter). Checked fully before

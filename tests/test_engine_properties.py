@@ -57,7 +57,7 @@ class FlakySim(SimExecutor):
 class EngineMachine(RuleBasedStateMachine):
 
   @initialize(reserve=st.sampled_from(["none", "end"]),
-              policy=st.sampled_from(["continuous", "chunked"]),
+              policy=st.sampled_from(["continuous", "chunked", "separate"]),
               host=st.sampled_from([0, 8]), speculate=st.booleans(),
               acceptance=st.sampled_from([0.0, 0.6]), window=st.sampled_from([0, 0, 6]))
   def setup(self, reserve, policy, host, speculate, acceptance, window):
@@ -172,8 +172,8 @@ class RealEngineMachine(EngineMachine):
   every request that ran to its length equals a plain full-recompute greedy decode."""
 
   @initialize(reserve=st.sampled_from(["none", "end"]), host=st.sampled_from([0, 8]),
-              speculate=st.booleans())
-  def setup(self, reserve, host, speculate):
+              speculate=st.booleans(), policy=st.sampled_from(["chunked", "separate"]))
+  def setup(self, reserve, host, speculate, policy):
     import jax
     from jaxinfer.config import SMOLLM2_135M
     from jaxinfer.executors.jax_executor import JaxExecutor
@@ -204,7 +204,7 @@ class RealEngineMachine(EngineMachine):
 
     self.cfg, self.params = cfg, params
     self.ex = FlakyJax(cfg, params, num_pages=NUM_PAGES, page_size=PAGE)
-    sched = SchedulerConfig("chunked", max_running=4, token_budget=16, chunk_size=8,
+    sched = SchedulerConfig(policy, max_running=4, token_budget=16, chunk_size=8,
                             reserve=reserve)
     self.eng = Engine(self.ex, sched, buckets=REAL_TABLE, prefix_cache=True,
                       host_cache_pages=host, eos_token_ids=(),

@@ -140,7 +140,7 @@ def test_cli_help_lists_the_flags_and_exits_0():
     (["generate", "--temperature=nan"], "temperature must be a finite number"),
     (["generate", "--top_k=-1"], "top_k must be in [0, 2147483647], got -1"),
     (["generate", "--kv_format=bogus"], "value should be one of <f32|bf16|fp8|q8_0|q4_0>"),
-    (["generate", "--num_pages=0"], "--num_pages must be >= 1, got 0"),
+    (["generate", "--num_pages=-1"], "--num_pages must be 0 (auto) or >= 1, got -1"),
     (["generate", "extra"], "unexpected arguments"),
     ([], "usage: python -m jaxinfer generate"),
     (["generate", b"--prompt=a\xffb"], "not valid UTF-8"),

@@ -17,10 +17,24 @@ def llm(smollm2):
                                              page_table_sizes=(8,)))
 
 
-def test_batched_chunked_generate_equals_recompute(llm, smollm2):
+LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog, " * 6  # > 32 tokens
+
+
+@pytest.mark.parametrize("policy", ["auto", "chunked"])
+def test_batched_generate_equals_recompute(llm, smollm2, policy):
+  """The offline default (auto: prefills first, 8.1.1) and chunked prefill (8.2.2); a
+  prompt longer than the largest step runs in steps of the budget under both."""
+  assert llm.engine.config.policy == "separate"
+  eng = llm if policy == "auto" else LLM.from_loaded(
+      smollm2, warmup=False, num_pages=64, policy=policy,
+      buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,)))
   sp = SamplingParams(max_tokens=8, ignore_eos=True)
-  outs = llm.generate(PROMPTS, sp)  # prompts > 4 tokens; largest bucket 32 forces sharing
-  for p, o in zip(PROMPTS, outs):
+  prompts = PROMPTS[:3] + [LONG]
+  assert len(smollm2.tokenizer.encode(LONG)) > 32
+  outs = eng.generate(prompts, sp)  # prompts > 4 tokens; largest bucket 32 forces sharing
+  assert any(s.num_prefill_tokens and s.num_decode_tokens for s in eng.engine.steps) == (
+      policy == "chunked")  # separate never mixes a prefill into a decode step
+  for p, o in zip(prompts, outs):
     ids = smollm2.tokenizer.encode(p)
     assert o.prompt_token_ids == ids
     assert o.token_ids == recompute_greedy(smollm2.cfg, smollm2.params, ids, 8), p
@@ -131,3 +145,40 @@ def test_q_precision_reaches_attention(smollm2):
   with pytest.raises(ValueError,
                      match=r"q_precision must be one of \('compute', 'kv'\), got 'fp4'"):
     LLM.from_loaded(smollm2, warmup=False, num_pages=8, buckets=table, q_precision="fp4")
+
+
+def test_policy_auto_is_chunked_when_served_and_explicit_policies_stay(smollm2):
+  """policy="auto": separate offline, chunked once the server takes the LLM (make_app);
+  an explicit policy is the user's, served as given; switching mid-job is refused."""
+  from jaxinfer.serving.server import make_app
+  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
+  auto = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table)
+  assert auto.engine.config.policy == "separate"
+  make_app(auto, model_name="m")
+  assert auto.engine.config.policy == "chunked"
+  out = auto.generate(PROMPTS[:2] + [LONG], SamplingParams(max_tokens=4, ignore_eos=True))
+  assert any(s.num_prefill_tokens and s.num_decode_tokens for s in auto.engine.steps)
+  assert [len(o.token_ids) for o in out] == [4, 4, 4]
+  mine = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table,
+                         policy="separate")
+  make_app(mine, model_name="m")
+  assert mine.engine.config.policy == "separate"
+  mine.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+  with pytest.raises(RuntimeError, match="unfinished requests"):
+    mine.engine.set_policy("chunked")
+  mine.engine.run()
+  assert mine.engine.config.policy == "separate"
+
+
+def test_auto_pool_holds_max_num_seqs_requests():
+  """num_pages=None: room for max_num_seqs requests of 512 tokens, at least 1024 pages, at
+  most 4 GiB of KV; an explicit num_pages is taken as given."""
+  from jaxinfer.engine_config import EngineConfig
+  page = 46080 * 16  # SmolLM2-135M's f32 KV page of 16 tokens
+  assert EngineConfig().pool_pages(page, 1) == 1024
+  assert EngineConfig().pool_pages(page, 64) == 64 * 32
+  assert EngineConfig().pool_pages(page, 256) == (4 << 30) // page
+  assert EngineConfig().pool_pages(64 << 20, 256) == 1024  # the cap never goes below 1024
+  assert EngineConfig(num_pages=77).pool_pages(page, 64) == 77
+  with pytest.raises(ValueError, match="num_pages must be an integer >= 1, got 0"):
+    EngineConfig(num_pages=0).validate()

@@ -59,6 +59,24 @@ def test_decode_first_and_budget_never_exceeded():
   assert all(r.state == State.FINISHED for r in eng.requests.values())
 
 
+def test_separate_runs_prefills_in_steps_of_their_own():
+  """separate (8.1.1): every step carries prefill work or decodes, never both; a prompt
+  longer than the step budget goes on in steps of its own (decodes wait), and all finish."""
+  eng = Engine(SimExecutor(AffineStepModel(), num_pages=4096, page_size=16),
+               SchedulerConfig("separate", 4, 1000, 1000),
+               buckets=BucketTable.default(1000, 8, 512))
+  reqs = run(eng, [(0.0, 300, 6), (0.0, 2500, 4), (0.0, 200, 5), (0.05, 400, 3)])
+  for s in eng.steps:
+    assert not (s.num_prefill_tokens and s.num_decode_tokens), s.members
+    assert s.num_prefill_tokens + s.num_decode_tokens <= 1000
+  # r0 alone (r1's first 1000 do not fit beside it), r1 in two steps of its own, its
+  # last 500 with r2's whole prompt, r3 (arrived meanwhile) before any decode
+  assert [s.num_prefill_tokens for s in eng.steps[:5]] == [300, 1000, 1000, 700, 400]
+  assert all(s.num_prefill_tokens == 0 for s in eng.steps[5:])
+  assert [len(r.output_token_ids) for r in reqs] == [6, 4, 5, 3]
+  assert all(r.state == State.FINISHED for r in reqs)
+
+
 def test_fixed_batching_retires_whole_groups():
   eng = engine("fixed", budget=BIG, chunk=BIG, max_running=2)
   reqs = run(eng, [(0.0, 100, 10), (0.0, 100, 1), (0.0, 100, 1)])

@@ -84,7 +84,6 @@ class Engine:
                        f"max_step_records ({max_step_records}) must be >= 1")
     self.max_retained_requests = max_retained_requests
     self.executor = executor
-    self.config = config
     self.buckets = buckets
     self.tokenizer = tokenizer
     self.max_model_len = max_model_len
@@ -287,6 +286,17 @@ class Engine:
       slots.forget(name)
     self.executor.unload_lora(name, slot)
     self.disabled_loras[name] = why
+
+  @property
+  def config(self) -> SchedulerConfig:
+    return self.scheduler.config
+
+  def set_policy(self, policy: str) -> None:
+    """Schedule with `policy` from the next iteration on (the server turns an offline
+    engine's policy to chunked); only while no request is unfinished."""
+    if self.has_unfinished():
+      raise RuntimeError(f"set_policy({policy!r}): the engine has unfinished requests")
+    self.scheduler.config = dataclasses.replace(self.scheduler.config, policy=policy)
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None

@@ -93,10 +93,12 @@ class RequestChecks:
       raise RequestTooLargeError(
           f"prompt of {n_prompt} tokens + max_tokens {sp.max_tokens} = {total} exceeds the "
           f"context window of {self.engine.max_model_len} tokens")
-    if self.engine.config.policy != "chunked" and n_prompt > self.engine.buckets.max_tokens:
+    if self.engine.config.policy in ("fixed", "continuous") and \
+        n_prompt > self.engine.buckets.max_tokens:
       raise RequestTooLargeError(
           f"prompt of {n_prompt} tokens is longer than the largest bucket of "
-          f"{self.engine.buckets.max_tokens} tokens per step (use the chunked policy)")
+          f"{self.engine.buckets.max_tokens} tokens per step (the {self.engine.config.policy} "
+          "policy runs a prompt whole; use chunked or separate)")
     pages = self.engine.pm.pages_for(total - 1)
     if pages > self.engine.buckets.max_pages:
       raise RequestTooLargeError(

@@ -5,6 +5,9 @@ Policies (8.2.2):
   continuous  re-form the batch every iteration; a prefill runs whole
   chunked     continuous, decode of running requests first, then prefill chunks of at
               most `chunk_size` within the per-iteration token budget
+  separate    prefills first, as iterations of their own (8.1.1: a prompt longer than a
+              step goes on in steps of the budget), decodes when no prompt is waiting;
+              an offline batch's fastest policy (LLM's default)
 A step is a list of (request, new tokens): a decode is a one-token chunk whose logits
 are sampled; a prefill chunk samples only when it reaches the end of the known tokens.
 
@@ -219,6 +222,8 @@ class Scheduler:
     plan = StepPlan([], [], [], [], [], [], now, self.pm)
     budget = min(cfg.token_budget, self.max_step_tokens)
     if cfg.policy == "separate":
+      # a prompt longer than a step goes on in steps of its own before anything else
+      budget = self._continue_running(plan, budget, prefills_only=True)
       self._admit_waiting(plan, budget, now)
       if not plan.seqs:
         self._continue_running(plan, budget)
@@ -228,11 +233,14 @@ class Scheduler:
       self._admit_waiting(plan, budget, now)
     return self._with_offloads(plan)
 
-  def _continue_running(self, plan: StepPlan, budget: int) -> int:
-    """Running requests: decode first (8.2.2), then unfinished prefills. Budget left."""
+  def _continue_running(self, plan: StepPlan, budget: int, prefills_only: bool = False) -> int:
+    """Running requests: decode first (8.2.2), then unfinished prefills (prefills_only:
+    those alone). Budget left."""
     chunked = self.config.policy == "chunked"
     for r in sorted(self.running, key=lambda x: x.in_prefill):
       if r not in self.running or len(plan.seqs) >= self.max_step_requests:
+        continue
+      if prefills_only and not r.in_prefill:
         continue
       n = self._chunk(r, budget, chunked, first=not plan.seqs)
       if n == 0:

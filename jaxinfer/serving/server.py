@@ -32,6 +32,8 @@ def make_app(llm, *, model_name: str, api_key: Optional[str] = None, max_queue: 
   """-> (app, service). The service's thread starts with the app (lifespan) and stops
   with it."""
   metrics = ServerMetrics(model_name)
+  if hasattr(llm, "use_serving_policy"):
+    llm.use_serving_policy()
   service = EngineService(llm.engine, max_queue=max_queue, metrics=metrics)
   metrics.refresh(llm.engine)
   app = build_app(service, llm, model_name=model_name, api_key=api_key,
