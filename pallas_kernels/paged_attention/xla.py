@@ -23,10 +23,11 @@ x86 machine (per-op profile in the README's performance section):
   peak); with one or two slots the dot form is faster. In jax 0.10.2 the reductions run
   as YNNPACK fusions over the gathered, masked copies (the gather is not fused into
   them), which is what the native call avoids.
-- Slots with several new tokens (prefill chunks, verify windows) run in chunks of query
-  rows up to the longest real query: each chunk scores its slot's new tokens causally up
-  to itself, then the cached blocks, so the work follows the real tokens, not the
-  bucket's padded rows.
+- Slots with several new tokens (prefill chunks, verify windows) run one after another,
+  each in chunks of query rows up to its own query: each chunk scores its slot's new
+  tokens causally up to itself, then that slot's cached blocks, so the work follows each
+  slot's real tokens, not the bucket's padded rows nor the longest slot's (a chunked
+  step's prompt tail beside the next prompt's head).
 - The gather takes whole page rows (`jnp.take` on [pages, page_size * Hc], clipped:
   "fill" mode adds a select to every element).
 
@@ -210,18 +211,17 @@ def _online_softmax(carry, s, valid, v):
 def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
                       cached_len, Q, scale, block_pages=None, window=None, softcap=None,
                       query_chunk=None):
-  """Slots of up to Q new tokens each (as reference.attend_group), in chunks of
-  `query_chunk` query rows (default PREFILL_QUERY_CHUNK) up to the longest real
+  """Slots of up to Q new tokens each (as reference.attend_group), one slot at a time, in
+  chunks of `query_chunk` query rows (default PREFILL_QUERY_CHUNK) up to the slot's own
   query_len: each chunk reads its slot's new tokens causally up to itself, then the
-  cached pages in blocks up to the longest real context, all in one online softmax. The
-  work therefore follows the real tokens, not the bucket's Q (a slot padded from 100 to
-  256 rows costs 100 rows' work). Returns (out [R, Q, N, H], flat token index [R, Q] or
-  T where invalid)."""
+  slot's cached pages in blocks up to its own context, all in one online softmax. The work
+  therefore follows each slot's real tokens, not the bucket's Q nor the longest slot's
+  (a step's prompt tail and next prompt's head cost their own lengths). Returns (out
+  [R, Q, N, H], flat token index [R, Q] or T where invalid)."""
   T, N, H = q.shape
   K = k_new.shape[1]
   G = N // K
   R = page_table.shape[0]
-  fmt = kv_codec.get_format(kv_codec.pool_format(pool))
   ps = pool["k"].shape[3]
   cdt = jnp.float32
   qpos, qvalid, qr, kn, vn = reference.gather_queries(q, k_new, v_new, query_start,
@@ -232,8 +232,32 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Qc - Q), (0, 0), (0, 0)))
     kn, vn = (jnp.pad(x, ((0, 0), (0, 0), (0, Qc - Q), (0, 0))) for x in (kn, vn))
   if block_pages is None:
-    block_pages = block_pages_for(R, ps, page_table.shape[1], rows_per_slot=C * G)
-  pt, B, block, num_blocks = _blocks(page_table, cached_len, block_pages, ps)
+    block_pages = block_pages_for(1, ps, page_table.shape[1], rows_per_slot=C * G)
+  pt, B, block, _ = _blocks(page_table, cached_len, block_pages, ps)
+  args = (pool, layer, C, B, block, window, softcap)
+
+  def slot(r, out):
+    one = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, r, 1, axis)  # noqa: E731
+    o = _slot_attention(one(qr, 1), one(kn, 1), one(vn, 1), one(pt, 0), one(query_len, 0),
+                        one(cached_len, 0), *args)
+    return jax.lax.dynamic_update_slice_in_dim(out, o, r, axis=1)
+
+  out = jnp.zeros((K, R, Qc, G, H), cdt)
+  out = slot(0, out) if R == 1 else jax.lax.fori_loop(0, R, slot, out)
+  o = out[:, :, :Q].transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
+  flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
+  return o, flat
+
+
+def _slot_attention(qr, kn, vn, pt, query_len, cached_len, pool, layer, C, B, block, window,
+                    softcap):
+  """One slot's prefill attention: qr [K, 1, Qc, G, H], kn / vn [K, 1, Qc, H], its padded
+  page table pt [1, P'] read B pages (`block` tokens) at a time -> [K, 1, Qc, G, H]; the
+  loops' trip counts are this slot's chunks and cached blocks."""
+  K, R, Qc, G, H = qr.shape
+  fmt = kv_codec.get_format(kv_codec.pool_format(pool))
+  cdt = jnp.float32
+  num_blocks = (jnp.max(cached_len) + block - 1) // block
   qlen = query_len[:, None, None]  # [R, 1, 1]
   rows = jnp.arange(C, dtype=jnp.int32)
 
@@ -273,10 +297,7 @@ def prefill_attention(q, k_new, v_new, pool, layer, page_table, query_start, que
     return jax.lax.dynamic_update_slice_in_dim(out, o, i * C, axis=2)
 
   num_chunks = (jnp.max(query_len) + C - 1) // C
-  out = jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros((K, R, Qc, G, H), cdt))
-  o = out[:, :, :Q].transpose(1, 2, 0, 3, 4).reshape(R, Q, N, H)
-  flat = jnp.where(qvalid, query_start[:, None] + qpos[None, :], T)  # T = dropped
-  return o, flat
+  return jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros((K, R, Qc, G, H), cdt))
 
 
 def ragged_paged_attention(q, k_new, v_new, pool, layer, page_table, query_start, query_len,
