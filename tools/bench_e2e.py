@@ -17,6 +17,9 @@ batch: --batch_sizes jobs of N prompts, --batch_new_tokens out each (`LLM.genera
   prompts' FLOPs at the matmul rate over the seconds of the steps that carry prefill.
   Floor: all prompts' FLOPs at the matmul rate at the token budget's rows, plus every
   decode step's max(bytes / bandwidth, FLOPs / that rate).
+--policies runs each batch job under several scheduling policies (each its own engine and
+row, alternated inside every round): `--policies=auto,chunked` is the offline default
+beside chunked prefill, whose `prefill x matmul` is the prefill rate inside mixed steps.
 Each row also shows the bucket the engine ran its decode steps at and their median time
 beside the same batch's step packed at exactly its shape (`engine/exact`): a bucket
 table that pads decode shows there; the JSON lists every bucket the job ran with its
@@ -52,7 +55,8 @@ flags.DEFINE_integer("batch_new_tokens", 160, "batch: tokens out per prompt")
 flags.DEFINE_integer("rounds", 3, "rounds per row (systems alternate inside a round)")
 flags.DEFINE_integer("max_num_batched_tokens", 0, "the engine's token budget (0: LLM's "
                      "default)")
-flags.DEFINE_string("policy", "", "the engine's scheduling policy (empty: LLM's default)")
+flags.DEFINE_list("policies", ["auto"], "batch: the engine's scheduling policies, each its own "
+                  "row, alternated inside every round (auto: LLM's default)")
 flags.DEFINE_bool("hf", True, "HF transformers in the same run (if installed)")
 flags.DEFINE_bool("llama_cpp", True, "llama.cpp in the same run (if llama-cpp-python is "
                   "installed: tools/install_peers.sh)")
@@ -77,19 +81,19 @@ def machine() -> dict:
 class Ours:
   """LLM.generate as the user runs it; per call the job's figures from its own records."""
 
-  def __init__(self, model, weight_format: str, n: int):
+  def __init__(self, model, weight_format: str, n: int, policy: str = "auto"):
     import jaxinfer
     kw = {"max_num_batched_tokens": FLAGS.max_num_batched_tokens} \
         if FLAGS.max_num_batched_tokens else {}
-    if FLAGS.policy:
-      kw["policy"] = FLAGS.policy
+    kw["policy"] = policy
     t = time.perf_counter()
     if weight_format == "gguf_f32":
       kw["gguf_activations"] = "f32"
     self.llm = jaxinfer.LLM(model, weight_format=weight_format.split("_")[0], max_num_seqs=n,
                             **kw)
     self.start_s = time.perf_counter() - t
-    self.name = f"jaxinfer {weight_format}"
+    self.policy = self.llm.engine.config.policy  # as resolved ("auto": separate offline)
+    self.name = f"jaxinfer {weight_format} {policy}"
 
   def run(self, ps, new: int) -> dict:
     import jaxinfer
@@ -240,8 +244,9 @@ def main(argv):
   out = {"machine": machine(), "model": cfg.name, "prompt_len": FLAGS.prompt_len,
          "single": [], "batch": []}
 
-  def job(kind, n, new, wf, ours):
+  def job(kind, n, new, wf, engines):
     ps = prompts(n, FLAGS.prompt_len, cfg.vocab_size)
+    ours = engines[0]
     budget = ours.llm.buckets.max_tokens
     rate_pre = bm.MatmulRateProbe(cfg, min(budget, n * FLAGS.prompt_len), lm_rows=n)
     peers = [p for p in (hf, llama) if p is not None]
@@ -251,43 +256,49 @@ def main(argv):
       rp = rate_pre(3)  # each shape its median of three: one run swings with the VM
       fp, fd = floors(costs, wbytes[wf], n, FLAGS.prompt_len, new, bw, rp)
       got = {"bw_gbs": bw / 1e9, "matmul_prefill_gflops": rp / 1e9, "floor_s": fp + fd,
-             "floor_prefill_s": fp, "floor_decode_s": fd, ours.name: ours.run(ps, new)}
+             "floor_prefill_s": fp, "floor_decode_s": fd}
+      for e in (engines if r % 2 == 0 else engines[::-1]):  # each goes first in turn
+        got[e.name] = e.run(ps, new)
       ctx = FLAGS.prompt_len + new // 2
       got["exact_step_ms"] = 1e3 * ours.exact_step_s(n, ctx)
       for p in peers:
         sub = ps if (p is not llama or kind == "single") else ps[:FLAGS.llama_cpp_batch_prompts]
         got[p.name] = p.run(sub, new)
-      o = got[ours.name]
-      o["x_floor"] = o["wall_s"] / got["floor_s"]
-      # decode alone: the time after the last first token over the decode floor
-      o["decode_x_floor"] = n * (new - 1) / o["decode_tok_s"] / fd
-      o["prefill_rate_x_matmul"] = fp / max(o["prefill_s"], 1e-9)
-      o["engine_over_exact"] = (o["decode_step_ms"] / got["exact_step_ms"]
-                                if o["decode_step_ms"] else None)
-      for p in peers:
-        o[f"x {p.name}"] = o["out_tok_s"] / got[p.name]["out_tok_s"]
-      rounds.append(got)
-      print(f"  {kind} n={n} {wf} round {r + 1}: ours {o['wall_s']:.2f}s "
-            f"({o['out_tok_s']:.1f} tok/s, x floor {o['x_floor']:.2f}) " +
-            " ".join(f"{p.name} {got[p.name]['out_tok_s']:.1f} tok/s" for p in peers),
+      for e in engines:
+        o = got[e.name]
+        o["x_floor"] = o["wall_s"] / got["floor_s"]
+        # decode alone: the time after the last first token over the decode floor
+        o["decode_x_floor"] = n * (new - 1) / o["decode_tok_s"] / fd
+        o["prefill_rate_x_matmul"] = fp / max(o["prefill_s"], 1e-9)
+        o["engine_over_exact"] = (o["decode_step_ms"] / got["exact_step_ms"]
+                                  if o["decode_step_ms"] else None)
+        for p in peers:
+          o[f"x {p.name}"] = o["out_tok_s"] / got[p.name]["out_tok_s"]
+        print(f"  {kind} n={n} {wf} {e.policy} round {r + 1}: ours {o['wall_s']:.2f}s "
+              f"({o['out_tok_s']:.1f} tok/s, x floor {o['x_floor']:.2f})", flush=True)
+        print("    longest buckets (T x R x P x Q x Rp): " + ", ".join(
+            f"{b['bucket']} {b['steps']} steps {b['seconds']:.1f}s" for b in o["buckets"][:3]),
             flush=True)
-      print("    longest buckets (T x R x P x Q x Rp): " + ", ".join(
-          f"{b['bucket']} {b['steps']} steps {b['seconds']:.1f}s" for b in o["buckets"][:3]),
-          flush=True)
-    row = {"prompts": n, "new_tokens": new, "weight_format": wf, "rounds": rounds,
-           "start_s": ours.start_s, "decode_bucket": rounds[-1][ours.name]["decode_bucket"]}
-    ours_rows = [g[ours.name] for g in rounds]
-    for k in ("wall_s", "ttft_s", "out_tok_s", "decode_tok_s", "prefill_s", "decode_s",
-              "decode_step_ms", "x_floor", "decode_x_floor", "prefill_rate_x_matmul", "engine_over_exact",
-              *[f"x {p.name}" for p in peers]):
-      row[k] = median_of(ours_rows, k)
-    for k in ("floor_s", "exact_step_ms", "bw_gbs", "matmul_prefill_gflops"):
-      row[k] = median_of(rounds, k)
-    for p in peers:
-      row[p.name] = {k: median_of([g[p.name] for g in rounds], k)
-                     for k in ("wall_s", "ttft_s", "out_tok_s", "decode_tok_s")}
-    out[kind].append(row)
-    return row
+      rounds.append(got)
+      print("    peers: " + " ".join(f"{p.name} {got[p.name]['out_tok_s']:.1f} tok/s"
+                                     for p in peers), flush=True)
+    for e in engines:
+      row = {"prompts": n, "new_tokens": new, "weight_format": wf, "policy": e.policy,
+             "rounds": [{k: v for k, v in g.items()
+                         if k == e.name or not k.startswith("jaxinfer ")} for g in rounds],
+             "start_s": e.start_s, "decode_bucket": rounds[-1][e.name]["decode_bucket"]}
+      ours_rows = [g[e.name] for g in rounds]
+      for k in ("wall_s", "ttft_s", "out_tok_s", "decode_tok_s", "prefill_s", "decode_s",
+                "decode_step_ms", "x_floor", "decode_x_floor", "prefill_rate_x_matmul",
+                "engine_over_exact", *[f"x {p.name}" for p in peers]):
+        row[k] = median_of(ours_rows, k)
+      for k in ("floor_s", "exact_step_ms", "bw_gbs", "matmul_prefill_gflops"):
+        row[k] = median_of(rounds, k)
+      for p in peers:
+        row[p.name] = {k: median_of([g[p.name] for g in rounds], k)
+                       for k in ("wall_s", "ttft_s", "out_tok_s", "decode_tok_s")}
+      out[kind].append(row)
+
 
   if "single" in FLAGS.scenarios:
     for wf in FLAGS.weight_formats:
@@ -295,15 +306,16 @@ def main(argv):
         print(f"single {wf} skipped: the model is not a .gguf file", file=sys.stderr)
         continue
       ours = Ours(gguf if wf.startswith("gguf") else FLAGS.model, wf, 1)
-      job("single", 1, FLAGS.single_new_tokens, wf, ours)
+      job("single", 1, FLAGS.single_new_tokens, wf, [ours])
       del ours
       jax.clear_caches()
   if "batch" in FLAGS.scenarios:
     wf = FLAGS.batch_weight_format
     for n in sizes:
-      ours = Ours(gguf if wf.startswith("gguf") else FLAGS.model, wf, n)
-      job("batch", n, FLAGS.batch_new_tokens, wf, ours)
-      del ours
+      engines = [Ours(gguf if wf.startswith("gguf") else FLAGS.model, wf, n, pol)
+                 for pol in FLAGS.policies]
+      job("batch", n, FLAGS.batch_new_tokens, wf, engines)
+      del engines
       jax.clear_caches()
   print_tables(out)
   if FLAGS.output_dir:
@@ -325,14 +337,15 @@ def print_tables(out):
       continue
     peers = [k for k in ("HF transformers", "llama.cpp") if k in rows[0]]
     print(f"\n{kind}: prompt {out['prompt_len']} tokens")
-    head = ["prompts", "weights", "new", "wall s", "tok/s", "TTFT s", "floor s", "x floor",
+    head = ["prompts", "weights", "policy", "new", "wall s", "tok/s", "TTFT s", "floor s", "x floor",
             "decode x floor", "prefill x matmul", "decode bucket", "step ms", "exact ms", "engine/exact"]
     for p in peers:
       head += [f"{p} tok/s", f"{p} TTFT s", f"x {p}"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-      cells = [str(r["prompts"]), r["weight_format"], str(r["new_tokens"]), _f(r["wall_s"]),
+      cells = [str(r["prompts"]), r["weight_format"], r.get("policy", "-"),
+               str(r["new_tokens"]), _f(r["wall_s"]),
                _f(r["out_tok_s"], ".1f"), _f(r["ttft_s"], ".3f"), _f(r["floor_s"]),
                _f(r["x_floor"]), _f(r["decode_x_floor"]), _f(r["prefill_rate_x_matmul"]),
                "x".join(map(str, r["decode_bucket"])) if r["decode_bucket"] else "-",

@@ -40,14 +40,14 @@ def e2e_section(data: dict, img_rel: str | None) -> str:
     if not rows:
       continue
     peers = [p for p in SYSTEMS if p in rows[0]]
-    head = ["prompts", "weights", "in / out", "wall s", "tok/s", "TTFT s", "x floor",
+    head = ["prompts", "weights", "policy", "in / out", "wall s", "tok/s", "TTFT s", "x floor",
             "decode x floor", "prefill x matmul", "decode bucket", "engine/exact"]
     for p in peers:
       head += [f"{p} tok/s", f"x {p}"]
     out += [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
       bucket = "x".join(map(str, r["decode_bucket"][:3])) if r.get("decode_bucket") else "-"
-      cells = [str(r["prompts"]), r["weight_format"],
+      cells = [str(r["prompts"]), r["weight_format"], r.get("policy", "-"),
                f"{data['prompt_len']} / {r['new_tokens']}", _f(r["wall_s"]),
                _f(r["out_tok_s"], ".1f"), _f(r["ttft_s"], ".3f"), _f(r["x_floor"]),
                _f(r.get("decode_x_floor")), _f(r["prefill_rate_x_matmul"]), bucket,
