@@ -123,7 +123,7 @@ def test_schemas_batched_chunked_prefix_hits_and_speculation(smollm2, compiler, 
   cases = CASES[::every]
   from jaxinfer import LLM
   kw = dict(warmup=False, max_num_seqs=32, max_num_batched_tokens=64, num_pages=512,
-            max_model_len=512, prefix_cache=True)
+            max_model_len=512, prefix_cache=True, policy="chunked")
   base = LLM(smollm2, **kw)
   free = [o.token_ids for o in base.generate(FREE, SamplingParams(max_tokens=24), chat=True)]
   # Batched with free requests; chat prompts of ~40-60 tokens in chunks of <= 64 tokens per
