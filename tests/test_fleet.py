@@ -92,7 +92,8 @@ def test_compact_run_keeps_every_requests_times():
 def test_engine_fast_forward_equals_stepping(reserve):
   """One simulated engine with requests arriving over time, more than max_running at
   once, and (reserve="none") a pool small enough to preempt: fast-forwarding wherever
-  it may gives the same token times, finish times and step records as step()."""
+  it may (requests ending inside a stretch once none waits) gives the same token times,
+  finish times and step records as step()."""
   from jaxinfer.buckets import BucketTable
   from jaxinfer.config import SamplingParams
   from jaxinfer.costmodel import RooflineStepModel
@@ -120,6 +121,8 @@ def test_engine_fast_forward_equals_stepping(reserve):
     runs.append((reqs, e, rounds))
   (a, ea, _), (b, eb, rounds) = runs
   assert rounds > 100
+  ended = eb.take_fast_forward_finished()  # ended inside stretches, nothing waiting
+  assert ended and all(eb.requests[i].finish_reason == "length" for i in ended)
   assert [r.token_times for r in a] == [r.token_times for r in b]
   assert [r.finished_at for r in a] == [r.finished_at for r in b]
   assert [r.num_preemptions for r in a] == [r.num_preemptions for r in b]

@@ -124,6 +124,9 @@ class Engine:
     self.checks = RequestChecks(self)
     self.mask_time_s = 0.0  # host time spent filling structured-output token masks
     self._ff_stretch = None  # decode rounds fast_forward planned (runtime/fast_forward.py)
+    # ids of the requests that fast_forward ended (it emits no TokenEvents): the caller
+    # takes them with take_fast_forward_finished()
+    self.finished_by_fast_forward: List = []
 
   # --- clock -------------------------------------------------------------------------------
   def now(self) -> float:
@@ -461,9 +464,15 @@ class Engine:
     event while nothing can change the batch (runtime/fast_forward.py), leaving the
     requests as step() would; returns the rounds run (0: step() is needed). Rounds
     planned past `until` wait for the next call (plan=False: run only those). Emits no
-    TokenEvents."""
+    TokenEvents: the requests it ends are listed by take_fast_forward_finished()."""
     self._check_owner()
     return fast_forward(self, until, plan)
+
+  def take_fast_forward_finished(self) -> List:
+    """The ids of the requests fast_forward ended since the last call, in the order it
+    ended them."""
+    out, self.finished_by_fast_forward = self.finished_by_fast_forward, []
+    return out
 
   def planned_until(self) -> float:
     """The clock after the decode rounds fast_forward planned and has not run yet (now,

@@ -1,25 +1,30 @@
 """Fast-forward for simulated engines: a stretch of plain decode rounds as one event.
 
-When every running request only decodes and nothing can change the batch, the rounds
-ahead are known: round k runs one token per request after its context + k tokens, so its
-time is the step model's for that batch (8.2.1's decode round), and the requests' tokens,
-times and pages follow. `fast_forward(engine, until)` runs the rounds that start before
-`until` that way — the fleet simulator's replicas between arrivals — and leaves the
-engine exactly as `Engine.step` would round by round (the same per-token times, to the
-bit: the executor's `decode_times` equal its per-step times).
+When every running request only decodes and nothing can change the batch but requests
+finishing, the rounds ahead are known: round k runs one token per request after its
+context + k tokens, so its time is the step model's for that batch (8.2.1's decode
+round), and the requests' tokens, times and pages follow. `fast_forward(engine, until)`
+runs the rounds that start before `until` that way — the fleet simulator's replicas
+between arrivals — and leaves the engine exactly as `Engine.step` would round by round
+(the same per-token times, to the bit: the executor's `decode_times` equal its per-step
+times).
 
-A stretch stops before anything step() would decide differently: the round in which a
-request finishes (left to step(): it ends the request), an admission (a request waiting
-while there is room to run it), a step that would not hold every running request, pages
-that are neither reserved nor free (eviction or preemption), a sliding window releasing
-pages, the arrival of a request that there is room to admit, a drafter, a
-structured-output grammar, stop strings, or a sampled token that is a stop token.
+A request reaching max_tokens ends inside the stretch, in its last round, as step()
+would end it (its pages offered to the prefix cache and released), when nothing waits to
+take its place; the batch then runs on without it. Otherwise the stretch stops before
+the round in which the first request finishes (left to step(), which admits the next).
+A stretch also stops before anything step() would decide differently: an admission (a
+request waiting while there is room to run it), a step that would not hold every running
+request, pages that are neither reserved nor free (eviction or preemption), a sliding
+window releasing pages, the arrival of a request that there is room to admit, a drafter,
+a structured-output grammar, stop strings, or a sampled token that is a stop token.
 """
 from __future__ import annotations
 
 import bisect
 import math
 
+from jaxinfer.runtime.records import trim_requests
 from jaxinfer.runtime.scheduler import ScheduledSeq, StepPlan
 
 
@@ -46,22 +51,25 @@ def _batch_fixed(engine) -> bool:
 
 
 class _Stretch:
-  """The rounds of one fixed batch, planned ahead in growing chunks and applied up to a
-  time: `starts` / `ends` of the planned rounds, `applied` of them run on the engine."""
+  """The rounds of one batch, planned ahead in growing chunks and applied up to a time:
+  `starts` / `ends` of the planned rounds, `applied` of them run on the engine. Request
+  i runs rounds 0 .. left[i] - 1 (its last one emits its max_tokens-th token); with
+  `finishes` the stretch runs until the last request ends, each round's batch being the
+  requests not yet ended (segments of one batch between ends), else up to the round
+  before the first end."""
 
-  def __init__(self, engine, until: float):
+  def __init__(self, engine, until: float, finishes: bool):
     sch, pm = engine.scheduler, engine.pm
+    self.pm = pm
     self.t0 = engine.now()  # when its first round starts
     self.run = list(sch.running)
     self.contexts = [r.num_computed for r in self.run]  # at the stretch's first round
-    # Rounds up to the one in which the first request finishes (left to step()).
-    self.n = min(r.sampling.max_tokens - len(r.output_token_ids) for r in self.run) - 1
+    self.left = [r.sampling.max_tokens - len(r.output_token_ids) for r in self.run]
+    self.n = max(self.left) if finishes else min(self.left) - 1
     self.until = until  # no round starts at or after it (a waiting request's arrival)
-    # The shared prefix is the same in every round: its pages are whole pages each
-    # request computed past, and the pages a round adds are each request's own.
-    self.shared, self.sharing = StepPlan(
-        [ScheduledSeq(r, c, 1) for r, c in zip(self.run, self.contexts)], [], [], [], [], [],
-        self.t0, pm).shared
+    # Rounds at which the batch shrinks (a request's last round is the one before).
+    self.cuts = sorted({k for k in self.left if k < self.n})
+    self._segments = {}
     self.starts, self.ends, self.applied, self.chunk = [], [], 0, 8
     self.count = engine.steps.count  # the engine's step count the stretch is valid at
 
@@ -70,14 +78,31 @@ class _Stretch:
     """The clock after the planned rounds."""
     return self.ends[-1] if self.ends else -math.inf
 
+  def segment(self, k: int):
+    """(last round + 1, batch indices, shared tokens, sharing requests) of the segment
+    holding round k. The shared prefix is the same in each of its rounds: its pages are
+    whole pages each request computed past, and the pages a round adds are each
+    request's own."""
+    j = bisect.bisect_right(self.cuts, k)
+    seg = self._segments.get(j)
+    if seg is None:
+      a = self.cuts[j - 1] if j else 0
+      b = self.cuts[j] if j < len(self.cuts) else self.n
+      idx = [i for i, n in enumerate(self.left) if n > a]
+      shared, sharing = StepPlan([ScheduledSeq(self.run[i], self.contexts[i] + a, 1)
+                                  for i in idx], [], [], [], [], [], self.t0, self.pm).shared
+      seg = self._segments[j] = (b, idx, shared, sharing)
+    return seg
+
   def plan(self, ex, until: float) -> bool:
     """Plan rounds until one starts at or after `until` (or none is left); False if the
     executor cannot price them."""
     t = self.ends[-1] if self.ends else None
     while len(self.ends) < self.n and (t is None or t < min(until, self.until)):
       done = len(self.ends)
-      times = ex.decode_times([c + done for c in self.contexts], min(self.chunk, self.n - done),
-                              self.shared, self.sharing)
+      b, idx, shared, sharing = self.segment(done)
+      times = ex.decode_times([self.contexts[i] + done for i in idx],
+                              min(self.chunk, b - done), shared, sharing)
       if times is None:
         return False
       t = self.ends[-1] if self.ends else self.t0
@@ -88,27 +113,44 @@ class _Stretch:
         self.starts.append(t)
         t = t + d
         self.ends.append(t)
-      self.chunk *= 4
+      if len(self.ends) == b:  # a segment ends: its next chunk starts small again
+        self.chunk = 8
+      else:
+        self.chunk *= 4
     return True
 
   def apply(self, engine, until: float) -> int:
     """Run the planned rounds that start before `until` on the engine; how many."""
-    k = bisect.bisect_left(self.starts, until, lo=self.applied)
-    m = k - self.applied
+    a = self.applied
+    k = bisect.bisect_left(self.starts, until, lo=a)
+    m = k - a
     if m <= 0:
       return 0
     ex, pm = engine.executor, engine.pm
-    ends = self.ends[self.applied:k]
-    for r, c in zip(self.run, self.contexts):
-      pm.grow(r.request_id, c + k)
-      r.num_computed = c + k
-      r.output_token_ids.extend([ex.token_id] * m)
-      r.logprobs.extend([0.0] * m)
-      r.token_times.extend(ends)
-    pm.complete_step(pm.begin_step([r.request_id for r in self.run]))
-    _record(engine, self.run, [c + self.applied for c in self.contexts],
-            self.starts[self.applied:k], ends)
-    engine._vclock = ends[-1]
+    tok = ex.token_id
+    ending = []
+    for i, (r, c, n) in enumerate(zip(self.run, self.contexts, self.left)):
+      upto = min(k, n)
+      if upto <= a:
+        continue  # ended in an earlier apply
+      pm.grow(r.request_id, c + upto)
+      r.num_computed = c + upto
+      r.output_token_ids.extend([tok] * (upto - a))
+      r.logprobs.extend([0.0] * (upto - a))
+      r.token_times.extend(self.ends[a:upto])
+      if n <= k:
+        ending.append((n, i))
+    pm.complete_step(pm.begin_step([r.request_id for r, n in zip(self.run, self.left)
+                                    if n > a]))
+    _record(engine, self, a, k)
+    if ending:  # in round order, and in batch order within a round, as step() ends them
+      sch = engine.scheduler
+      for n, i in sorted(ending):
+        r = self.run[i]
+        sch.finish(r, engine.stop_check(r), self.ends[n - 1])
+        engine.finished_by_fast_forward.append(r.request_id)
+      trim_requests(engine.requests, engine.max_retained_requests, sch.forget)
+    engine._vclock = self.ends[k - 1]
     self.applied = k
     self.count = engine.steps.count
     return m
@@ -120,7 +162,7 @@ def fast_forward(engine, until: float = math.inf, plan: bool = True) -> int:
   past `until` are kept for the next call, valid until the engine steps, adds or aborts
   (plan=False: only those, nothing new planned — bringing a replica up to a time).
   The rounds emit no TokenEvents: this is for simulations that read the requests
-  afterwards."""
+  afterwards (the ids of the requests they end are in engine.finished_by_fast_forward)."""
   st = engine._ff_stretch
   if st is not None and (st.count != engine.steps.count or st.applied >= st.n):
     st = engine._ff_stretch = None
@@ -134,7 +176,7 @@ def fast_forward(engine, until: float = math.inf, plan: bool = True) -> int:
       bound = sch.next_arrival()  # a round starting at or after it may admit it
       if bound <= now:
         return 0
-    st = _Stretch(engine, bound)
+    st = _Stretch(engine, bound, finishes=not sch.waiting)
     if st.n <= 0 or not _pages_ready(engine, st):
       return 0
     engine._ff_stretch = st
@@ -159,27 +201,37 @@ def _pages_ready(engine, st: _Stretch) -> bool:
   pm = engine.pm
   if engine.scheduler.config.reserve == "end":
     return True
-  need = sum(max(pm.pages_for(c + st.n) - len(pm.page_table(r.request_id)), 0)
-             for c, r in zip(st.contexts, st.run))
+  need = sum(max(pm.pages_for(c + min(st.n, n)) - len(pm.page_table(r.request_id)), 0)
+             for c, r, n in zip(st.contexts, st.run, st.left))
   return need <= pm.num_available
 
 
-def _record(engine, run, contexts, starts, ends) -> None:
-  """Step records for the rounds (the newest the log keeps; older ones only counted), and
-  the bucket shapes they ran, as step() would leave them."""
-  log, pm, b = engine.steps, engine.pm, len(run)
-  top = max(contexts)
+def _record(engine, st: _Stretch, a: int, k: int) -> None:
+  """Step records for rounds a .. k - 1 of the stretch (the newest the log keeps; older
+  ones only counted), and the bucket shapes they ran, as step() would leave them."""
+  log, pm = engine.steps, engine.pm
+  keep = min(k - a, log.max_records)
+  log.count += k - a - keep
   buckets = {}
-  for pages in range(pm.pages_for(top + 1), pm.pages_for(top + len(ends)) + 1):
-    buckets[pages] = engine.buckets.select(b, b, pages, 1, 0, num_logits=b)
+  kept = []
+  j = a
+  while j < k:
+    b_end, idx, _, _ = st.segment(j)
+    top = max(st.contexts[i] for i in idx)
+    b = len(idx)
+    for q in range(j, min(b_end, k)):
+      shape = (b, pm.pages_for(top + q + 1))
+      bk = buckets.get(shape)
+      if bk is None:
+        bk = buckets[shape] = engine.buckets.select(b, b, shape[1], 1, 0, num_logits=b)
+      if q >= k - keep:
+        kept.append((q, idx, bk))
+    j = min(b_end, k)
   engine.executor.mark_run(buckets.values())
-  keep = min(len(ends), log.max_records)
-  log.count += len(ends) - keep
-  emitted = [(r, 1) for r in run]
-  for k in range(len(ends) - keep, len(ends)):
-    plan = StepPlan([ScheduledSeq(r, c + k, 1) for r, c in zip(run, contexts)], [], [], [],
-                    [], [], starts[k], pm)
-    bk = buckets[pm.pages_for(top + k + 1)]
-    log.record(starts[k], ends[k], plan, bk.num_tokens - b,
+  for q, idx, bk in kept:
+    run = [st.run[i] for i in idx]
+    plan = StepPlan([ScheduledSeq(st.run[i], st.contexts[i] + q, 1) for i in idx], [], [],
+                    [], [], [], st.starts[q], pm)
+    log.record(st.starts[q], st.ends[q], plan, bk.num_tokens - len(idx),
                (bk.num_tokens, bk.num_requests, bk.pages_per_request, bk.max_query_len,
-                bk.prefill_slots), 0.0, emitted)
+                bk.prefill_slots), 0.0, [(r, 1) for r in run])

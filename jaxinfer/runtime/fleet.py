@@ -329,6 +329,10 @@ class Fleet:
       else:  # done at its prefill (one token asked, a stop, a rejection)
         order[k] = _joined(source.pop(k), r, None)
 
+    def drain(i: int) -> None:  # requests that a replica's decode rounds ended
+      for k in self.replicas[i].take_fast_forward_finished():
+        finished(i, k)
+
     while nxt is not None or busy or handoffs:
       if busy and busy[0][1] != version.get(busy[0][2]):
         heapq.heappop(busy)
@@ -339,12 +343,14 @@ class Fleet:
           t, k = heapq.heappop(handoffs)
           prefilled[k] = order[k]
           j, order[k] = self._hand_off(source[k], prefilled[k], t, k)
+          drain(j)
           wake(j, max(self.replicas[j].now(), t))
           continue
         if nxt.time < last:
           raise ValueError(f"arrivals must come in time order: {nxt.time} after {last}")
         last = nxt.time
         i, r = self._add(nxt, len(order))
+        drain(i)
         if split is not None:
           source[len(order)] = nxt
         order.append(r)
@@ -359,6 +365,7 @@ class Fleet:
       e = self.replicas[i]
       self.events += 1
       rounds = e.fast_forward(horizon(i)) if self.fast_forward else 0
+      drain(i)
       if rounds:  # decode rounds that start before the next arrival, as one event; the
         # rounds it planned past that arrival run when they are due or when the router
         # looks at the replica (_AsOf), unless a request routed to it comes first
@@ -371,6 +378,8 @@ class Fleet:
         wake(i, e.now())
       else:
         self.idle_since[i] = e.now()
+    for i in range(len(self.replicas)):  # ended by a router's read and not taken since
+      drain(i)
     for i in self.draining:  # drained after the last arrival: released when they emptied
       self.released[i] = max(self.idle_since[i] or self.started[i], self.started[i])
     self.draining = []

@@ -592,6 +592,11 @@ class Scheduler:
         self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed], pages)
     self.pm.slide(r.request_id, r.num_computed, self.config.window)
 
+  def finish(self, r: Request, reason: str, now: float) -> None:
+    """End a running request as postprocess does when stop_check gives `reason` (the
+    fast-forward ends requests inside a stretch of rounds this way)."""
+    self._finish(r, reason, now)
+
   def _finish(self, r: Request, reason: str, now: float) -> None:
     self.running.remove(r)
     self._memory_pressure = False
