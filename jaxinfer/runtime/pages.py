@@ -207,11 +207,17 @@ class PageManager:
     Returns the page copies the device must do before writing, or None (nothing changed)
     when the pool is short."""
     s = self._seqs[seq_id]
-    if new_num_tokens < s.num_tokens:
-      raise ValueError(f"grow() cannot shrink ({s.num_tokens} -> {new_num_tokens}); use rollback")
-    new_pages = max(self.pages_for(new_num_tokens) - len(s.pages), 0)
-    tail = s.num_tokens // self.page_size
-    cow = new_num_tokens > s.num_tokens and PageManager.shares_tail(self, seq_id)
+    n0, ps, pages = s.num_tokens, self.page_size, s.pages
+    if new_num_tokens < n0:
+      raise ValueError(f"grow() cannot shrink ({n0} -> {new_num_tokens}); use rollback")
+    new_pages = max(-(-new_num_tokens // ps) - len(pages), 0)
+    tail = n0 // ps
+    # copy-on-write: writing past the end of a shared, partially filled last page
+    cow = (new_num_tokens > n0 and n0 % ps != 0 and tail < len(pages)
+           and self._refs[pages[tail]] > 1)
+    if not new_pages and not cow:  # the tokens fit the pages it holds (most decode steps)
+      s.num_tokens = new_num_tokens
+      return []
     need = new_pages + int(cow)
     from_reserve = min(need, s.reserved)
     if need - from_reserve > self.num_available:  # PageManager.shortfall

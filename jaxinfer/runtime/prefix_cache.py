@@ -190,22 +190,24 @@ class PrefixCache:
     if n_full == 0 or not self.admission(n_full):
       return 0
     self._now += 1
-    node, added, now = self._root(key), 0, self._now
+    node, now = self._root(key), self._now
+    taken = []  # pages the cache takes a reference on
     for i in range(n_full):
       t = tuple(token_ids[i * ps:(i + 1) * ps])
       child = node.children.get(t)
       if child is None:
-        child = Node(tokens=t, parent=node, depth=node.depth + ps, created=now)
+        child = Node(t, node, node.depth + ps, created=now)
         node.children[t] = child
       if child.page is None:
         if child.host_slot is not None:  # the request recomputed it: keep the device copy
           self._host_free.append(child.host_slot)
           child.host_slot = None
-        self.pm.incref([pages[i]])
         child.page = pages[i]
-        added += 1
+        taken.append(pages[i])
       child.last_access = now
       node = child
+    self.pm.incref(taken)
+    added = len(taken)
     self._offer(node)  # the path's last node (the ones above it have device children)
     self.stats.inserted_pages += added
     return added
@@ -269,13 +271,18 @@ class PrefixCache:
       if lru:
         self._lru = heap
     freed = 0
-    while freed < num_pages and heap:
-      rank, _, victim = heapq.heappop(heap)
-      if not self._device_evictable(victim):
-        continue
-      if lru and rank != self._rank(victim):  # touched since: back at its rank
-        heapq.heappush(heap, (self._rank(victim), id(victim), victim))
-        continue
+    nxt = None  # a parent that became evictable and ranks before the heap's top
+    while freed < num_pages and (heap or nxt is not None):
+      if nxt is not None:  # what pushing it and popping the heap would give
+        rank, _, victim = nxt
+        nxt = None
+      else:
+        rank, _, victim = heapq.heappop(heap)
+        if not self._device_evictable(victim):
+          continue
+        if lru and rank != self._rank(victim):  # touched since: back at its rank
+          heapq.heappush(heap, (self._rank(victim), id(victim), victim))
+          continue
       parent = victim.parent
       page = victim.page
       if self.host_capacity and not self._host_free:
@@ -292,7 +299,13 @@ class PrefixCache:
         self._remove(victim)
       freed += 1
       if parent is not None and parent.parent is not None and self._device_evictable(parent):
-        heapq.heappush(heap, (self._rank(parent), id(parent), parent))
+        item = (self._rank(parent), id(parent), parent)
+        if heap and item[:2] > heap[0][:2]:
+          heapq.heappush(heap, item)
+        else:  # a chain of a request's own pages goes leaf to root without the heap
+          nxt = item
+    if nxt is not None:
+      heapq.heappush(heap, nxt)
     return freed
 
   def _drop_host_leaf(self) -> None:
