@@ -40,12 +40,15 @@ def _batch_fixed(engine) -> bool:
     return False
   if len(run) > min(cfg.token_budget, sch.max_step_tokens, sch.max_step_requests):
     return False
-  tok, eos = ex.token_id, engine.eos_token_ids
+  tok, detok = ex.token_id, engine.tokenizer is not None
+  tok_eos = tok in engine.eos_token_ids
+  shares_tail = sch.pm.shares_tail
   for r in run:
-    sp = r.sampling
-    if (r.num_pending != 1 or not r.output_token_ids or r.draft or r.grammar is not None
-        or (sp.stop and engine.tokenizer is not None) or tok in sp.stop_token_ids
-        or (tok in eos and not sp.ignore_eos) or sch.pm.shares_tail(r.request_id)):
+    sp, out = r.sampling, r.output_token_ids
+    if (not out or len(r.prompt_token_ids) + len(out) - r.num_computed != 1  # one pending
+        or r.draft or r.grammar is not None or (sp.stop and detok)
+        or tok in sp.stop_token_ids or (tok_eos and not sp.ignore_eos)
+        or shares_tail(r.request_id)):
       return False
   return True
 

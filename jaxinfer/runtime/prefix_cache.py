@@ -25,7 +25,7 @@ from jaxinfer.runtime.pages import PageManager
 CacheKey = Tuple[str, str, str]  # (model, adapter, kv_format)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Node:
   tokens: Tuple[int, ...]
   parent: Optional["Node"]

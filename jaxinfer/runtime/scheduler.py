@@ -76,11 +76,15 @@ class ScheduledSeq:
 
   @property
   def samples(self) -> bool:
-    return self.start + self.num_tokens == self.request.num_tokens
+    r = self.request
+    return self.start + self.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids)
 
   @property
   def num_logits(self) -> int:
-    return (1 + len(self.draft)) if self.samples else 0
+    r = self.request
+    if self.start + self.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids):
+      return 1 + len(self.draft)
+    return 0
 
   @property
   def is_prefill(self) -> bool:
@@ -514,10 +518,11 @@ class Scheduler:
     got tokens."""
     it = iter(sampled)
     emitted = []
+    running = {id(r) for r in self.running}  # only a request's own end removes it below
     for s in plan.seqs:
       r = s.request
       rows = [next(it) for _ in range(s.num_logits)]
-      if r.state.done or r not in self.running:
+      if id(r) not in running or r.state.done:
         continue  # aborted or preempted while the step ran
       if not rows:
         r.num_computed = s.start + s.num_tokens
