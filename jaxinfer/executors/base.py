@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxinfer.buckets import Bucket
 from jaxinfer.runtime.batcher import StepInput
-from jaxinfer.runtime.scheduler import StepPlan
+from jaxinfer.runtime.step_plan import StepPlan
 
 
 @dataclasses.dataclass

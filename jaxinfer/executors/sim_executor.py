@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxinfer.costmodel.formulas import chunk_pairs as causal_pairs  # 8.2.3's N_pair
 from jaxinfer.executors.base import StepResult
-from jaxinfer.runtime.scheduler import StepPlan
+from jaxinfer.runtime.step_plan import StepPlan
 
 
 class StepTimeModel(Protocol):

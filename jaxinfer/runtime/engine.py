@@ -32,7 +32,8 @@ from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.records import StepLog, trim_requests
 from jaxinfer.runtime.request import Request
 from jaxinfer.runtime.request_checks import RequestChecks, RequestTooLargeError  # noqa: F401
-from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from jaxinfer.runtime.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.runtime.step_plan import StepPlan
 from jaxinfer.runtime.speculative import Speculator
 from jaxinfer.runtime.stopping import make_stop_check
 from jaxinfer.structured.step_masks import mask_filler

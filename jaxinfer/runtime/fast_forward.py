@@ -25,7 +25,7 @@ import bisect
 import math
 
 from jaxinfer.runtime.records import trim_requests
-from jaxinfer.runtime.scheduler import ScheduledSeq, StepPlan
+from jaxinfer.runtime.step_plan import ScheduledSeq, StepPlan
 
 
 def _batch_fixed(engine) -> bool:

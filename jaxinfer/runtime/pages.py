@@ -210,11 +210,9 @@ class PageManager:
     n0, ps, pages = s.num_tokens, self.page_size, s.pages
     if new_num_tokens < n0:
       raise ValueError(f"grow() cannot shrink ({n0} -> {new_num_tokens}); use rollback")
-    new_pages = max(-(-new_num_tokens // ps) - len(pages), 0)
+    new_pages = max(pages_for(new_num_tokens, ps) - len(pages), 0)
     tail = n0 // ps
-    # copy-on-write: writing past the end of a shared, partially filled last page
-    cow = (new_num_tokens > n0 and n0 % ps != 0 and tail < len(pages)
-           and self._refs[pages[tail]] > 1)
+    cow = new_num_tokens > n0 and self._tail_shared(s)
     if not new_pages and not cow:  # the tokens fit the pages it holds (most decode steps)
       s.num_tokens = new_num_tokens
       return []
@@ -240,7 +238,9 @@ class PageManager:
   def shares_tail(self, seq_id) -> bool:
     """Whether the sequence's partially filled last page is shared (writing past its end
     copies the page first: copy-on-write)."""
-    s = self._seqs[seq_id]
+    return self._tail_shared(self._seqs[seq_id])
+
+  def _tail_shared(self, s: SeqPages) -> bool:
     tail = s.num_tokens // self.page_size
     return (s.num_tokens % self.page_size != 0 and tail < len(s.pages)
             and self._refs[s.pages[tail]] > 1)

@@ -23,14 +23,14 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import functools
 import itertools
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from jaxinfer.costmodel.accounting import step_pages_bound
-from jaxinfer.runtime.pages import HOLE, PageManager
+from jaxinfer.runtime.pages import PageManager
 from jaxinfer.runtime.prefix_cache import PrefixCache
 from jaxinfer.runtime.request import Request, State
+from jaxinfer.runtime.step_plan import ScheduledSeq, StepPlan
 
 POLICIES = ("fixed", "continuous", "chunked", "separate")
 
@@ -57,82 +57,6 @@ class SchedulerConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.window < 0:
       raise ValueError(f"window must be >= 0, got {self.window}")
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-  request: Request
-  start: int  # first new token's position (= tokens already computed)
-  num_tokens: int  # new known tokens this step
-  draft: List[int] = dataclasses.field(default_factory=list)  # drafts verified after them
-
-  @property
-  def token_ids(self) -> List[int]:
-    return self.request.tokens(self.start, self.start + self.num_tokens) + self.draft
-
-  @property
-  def num_step_tokens(self) -> int:
-    return self.num_tokens + len(self.draft)
-
-  @property
-  def samples(self) -> bool:
-    r = self.request
-    return self.start + self.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids)
-
-  @property
-  def num_logits(self) -> int:
-    r = self.request
-    if self.start + self.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids):
-      return 1 + len(self.draft)
-    return 0
-
-  @property
-  def is_prefill(self) -> bool:
-    return self.num_tokens > 1 or not self.request.output_token_ids
-
-
-@dataclasses.dataclass
-class StepPlan:
-  seqs: List[ScheduledSeq]
-  copies: List[Tuple[int, int]]  # copy-on-write page copies before the step
-  fetches: List[Tuple[int, int]]  # host-tier (slot, page) fetches before the step
-  offloads: List[Tuple[int, int]]  # (page, slot) to save to the host tier before reuse
-  preempted: List[Request]
-  rejected: List[Request]
-  now: float
-  pages: Optional[PageManager] = None  # the page tables `shared` reads
-
-  @functools.cached_property
-  def shared(self) -> Tuple[int, int]:
-    """(tokens, requests): the step's largest group of requests whose page tables start
-    with the same pages, and how many cached tokens those pages hold for all of them —
-    read once for the group in the cost model (8.6.3). Computed only when asked (the
-    simulator does; the real executor's steps never pay for it), at launch, before the
-    pages change."""
-    if self.pages is None:
-      return (0, 0)
-    groups = {}
-    for s in self.seqs:
-      pt = self.pages.first_table(s.request.request_id)
-      if pt and s.start and pt[0] != HOLE:
-        groups.setdefault(pt[0], []).append((s, pt))
-    group = max(groups.values(), key=len, default=[])
-    if len(group) < 2:
-      return (0, 0)
-    common = 0
-    for col in zip(*(pt for _, pt in group)):
-      if col[0] == HOLE or any(p != col[0] for p in col):
-        break
-      common += 1
-    return (min(common * self.pages.page_size, min(s.start for s, _ in group)), len(group))
-
-  @property
-  def num_tokens(self) -> int:
-    return sum(s.num_step_tokens for s in self.seqs)
-
-  @property
-  def empty(self) -> bool:
-    return not self.seqs
 
 
 class Scheduler:
@@ -565,7 +489,7 @@ class Scheduler:
         count += 1
         reason = stop_check(r)
         if reason is not None:
-          self._finish(r, reason, now)
+          self.finish(r, reason, now)
           break
       emitted.append((r, count))
     return emitted
@@ -599,10 +523,7 @@ class Scheduler:
 
   def finish(self, r: Request, reason: str, now: float) -> None:
     """End a running request as postprocess does when stop_check gives `reason` (the
-    fast-forward ends requests inside a stretch of rounds this way)."""
-    self._finish(r, reason, now)
-
-  def _finish(self, r: Request, reason: str, now: float) -> None:
+    fast-forward also ends requests inside a stretch of rounds this way)."""
     self.running.remove(r)
     self._memory_pressure = False
     pages = self.pm.cacheable_pages(r.request_id) if self.cache is not None else None
