@@ -106,18 +106,20 @@ def test_panels_layout_and_refusals():
 @needs_panels
 def test_panels_matmul_matches_reference():
   """x rows in passes of six (1, 5, 6, 7, 13, 40, 65 rows; at 40 and 65 each column group's
-  rows are split into two items), the last group of four panels holding 1-4 (N 16 ... 80),
-  any K, a stacked layer read by index."""
+  rows are split into two items; 13-24 rows in K blocks, K 300 in three, the last short),
+  the last group of four panels holding 1-4 (N 16 ... 80), any K, a stacked layer read by
+  index."""
   rng = np.random.default_rng(4)
   f = jax.jit(panels.matmul)
-  for K, N in ((5, 16), (96, 48), (64, 80), (33, 64)):
+  for K, N in ((5, 16), (96, 48), (64, 80), (33, 64), (300, 112)):
     p = panels.pack(jnp.asarray(rng.standard_normal((3, K, N)).astype(np.float32)))
-    for M in (1, 5, 6, 7, 13, 40, 65):
+    for M in (1, 5, 6, 7, 13, 16, 24, 25, 40, 65):
       x = rng.standard_normal((M, K)).astype(np.float32)
       for layer in (0, 2):
         np.testing.assert_allclose(np.asarray(f(x, p, layer)),
                                    np.asarray(panels.reference(x, p, layer)), rtol=1e-5,
-                                   atol=1e-5, err_msg=f"K={K} N={N} M={M} layer={layer}")
+                                   atol=1e-5 + 1e-7 * K,  # f32 sums' rounding grows with K
+                                   err_msg=f"K={K} N={N} M={M} layer={layer}")
   with pytest.raises(Exception, match="layer outside L"):
     np.asarray(panels.matmul(np.ones((1, 5), np.float32), panels.pack(
         jnp.ones((1, 5, 16), jnp.float32)), 1))

@@ -12,7 +12,7 @@ then linked and renamed into place atomically. A file lock makes concurrent proc
 (test workers, a server and its client) wait for one build instead of each running its
 own. Without a compiler, on a platform other than Linux, or with JAXINFER_NATIVE=0,
 `available()` is False and callers keep their XLA-op paths (logged once). Calls of up
-to 8 rows share their items with helper threads the library starts on first use
+to 16 rows share their items with helper threads the library starts on first use
 (native_items.h: they poll for 2 ms after a call, then sleep);
 JAXINFER_SPIN_HELPERS=0 hands every call's items to XLA's thread pool instead.
 """

@@ -40,7 +40,7 @@ namespace jaxinfer {
 class Helpers {
  public:
   static constexpr int64_t kSpinMicros = 2000;
-  static constexpr int64_t kMaxRows = 8;
+  static constexpr int64_t kMaxRows = 16;
 
   // The process's helpers (built on first use, never destroyed: a thread may still be
   // polling at exit).

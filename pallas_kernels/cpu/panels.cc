@@ -14,6 +14,14 @@
 // registers); the passes after the first fetch the thread's next item's weights into L2
 // (SixRowPassesAhead). Items are shared by the caller and helpers (RunItems, DrainAhead).
 //
+// Calls of 13-24 rows (a decode step of 16 requests) take each item's K in blocks of
+// kBlockK instead (Blocked): every pass of the block reads its weights from L1, the
+// accumulators are stored after each block and loaded again for the next, and while the
+// passes run, the next block's weight lines (or the thread's next item's first block) are
+// asked for, spread over their K steps. Memory and FMAs then overlap within an item: at 16
+// rows the two take about equal time, and the item-ahead fetch of passes 2 and 3 alone left
+// the first pass of every item waiting on memory (docs/design.md has the step times).
+//
 // Without AVX-512 (AVX2 + FMA: 16 ymm registers), a pass covers one panel at a time: its
 // 16 columns are two ymm vectors, times six broadcast x values into 12 accumulators
 // (2 + 1 + 12 of 16); the group's panels run one after another over the same x rows.
@@ -38,6 +46,8 @@ namespace {
 constexpr int64_t kCols = 16;   // a panel's width: one zmm of float32
 constexpr int64_t kGroup = 4;   // panels per work item
 constexpr int64_t kMinParallelItems = 4;
+constexpr int64_t kBlockK = 128;  // Blocked's K block: 4 panels' 32 KB of weights in L1
+constexpr int64_t kBlockedRows[2] = {13, 24};  // calls Blocked serves (rows, inclusive)
 
 #ifdef JX_HAVE_512
 const bool kAvx512 = __builtin_cpu_supports("avx512f");
@@ -121,7 +131,81 @@ void Item256(const Args& a, int64_t item, int64_t next) {
                               });
 }
 
+// Up to four panels' weight streams, asked for a line at a time round robin, `per_k`
+// lines per Step.
+struct StreamsAhead {
+  const char* p[kGroup] = {};
+  int64_t streams = 0, lines = 0, i = 0, per_k = 0;
+  inline void Step() {
+    for (int64_t t = 0; t < per_k && i < streams * lines; ++t, ++i)
+      __builtin_prefetch(p[i % streams] + 64 * (i / streams), 0, 2);
+  }
+};
+
+// MR rows x NB panels over k in [k0, k1), the accumulators starting from y (`load`) or 0.
+template <int MR, int NB>
+JX_512 void BlockPass(const Args& a, int64_t m0, int64_t j0, int64_t k0, int64_t k1, bool load,
+                      StreamsAhead& pf) {
+  __m512 acc[MR][NB];
+  float* y = a.y + m0 * a.N + j0 * kCols;
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      acc[m][j] = load ? _mm512_loadu_ps(y + m * a.N + j * kCols) : _mm512_setzero_ps();
+  const float* w = a.w + j0 * a.K * kCols;
+  const int64_t stride = a.K * kCols;
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = k0; k < k1; ++k) {
+    pf.Step();
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + k * kCols);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * a.K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + m * a.N + j * kCols, acc[m][j]);
+}
+
+// Item `item` in K blocks (see the top of the file); `next`: the thread's next item.
+template <int NB>
+JX_512 void Blocked(const Args& a, int64_t item, int64_t next) {
+  const int64_t g = a.it.Group(item), gn = a.it.NextGroup(item, next);
+  const int64_t m0 = a.it.Row0(item), M = a.it.Rows(item), passes = (M + 5) / 6;
+  const int64_t stride = a.K * kCols;
+  const float* w = a.w + g * kGroup * stride;
+  for (int64_t kb = 0; kb < a.K; kb += kBlockK) {
+    const int64_t ke = kb + kBlockK < a.K ? kb + kBlockK : a.K;
+    StreamsAhead pf;
+    if (ke < a.K) {  // this item's next block
+      pf.streams = NB;
+      for (int j = 0; j < NB; ++j)
+        pf.p[j] = reinterpret_cast<const char*>(w + j * stride + ke * kCols);
+      pf.lines = (ke + kBlockK < a.K ? ke + kBlockK : a.K) - ke;
+    } else if (gn >= 0) {  // the first block of the thread's next item
+      pf.streams = a.it.Blocks(gn);
+      for (int j = 0; j < pf.streams; ++j)
+        pf.p[j] = reinterpret_cast<const char*>(a.w + (gn * kGroup + j) * stride);
+      pf.lines = kBlockK < a.K ? kBlockK : a.K;
+    }
+    const int64_t steps = passes * (ke - kb);
+    pf.per_k = (pf.streams * pf.lines + steps - 1) / steps;
+    jaxinfer::SixRowPasses(M, [&](auto mr, int64_t m) {
+      BlockPass<mr.value, NB>(a, m0 + m, g * kGroup, kb, ke, kb > 0, pf);
+    });
+  }
+}
+
 JX_512 void Item(const Args& a, int64_t item, int64_t next) {
+  const int64_t rows = a.it.Rows(item);
+  if (rows >= kBlockedRows[0] && rows <= kBlockedRows[1]) {
+    switch (a.it.Blocks(a.it.Group(item))) {
+      case 1: Blocked<1>(a, item, next); return;
+      case 2: Blocked<2>(a, item, next); return;
+      case 3: Blocked<3>(a, item, next); return;
+      default: Blocked<4>(a, item, next); return;
+    }
+  }
   switch (a.it.Blocks(a.it.Group(item))) {
     case 1: Passes<1>(a, item, next); break;
     case 2: Passes<2>(a, item, next); break;
