@@ -264,3 +264,34 @@ def test_a_sliding_window_over_a_split_context():
       *a[:-1], window=a[-1], native=True, **kw))(*args, w))
   assert np.isfinite(out).all()
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("fmt,head_dim", [("f32", 64), ("q4_0", 64), ("bf16", 128)])
+def test_native_prefill_call_matches_reference(fmt, head_dim):
+  """The CPU prefill call (prefill.cc) on prompts longer than its 64-query items and
+  64-key blocks: slots with nothing cached, with cached tokens off page edges, and a
+  padding slot (query_len 0) whose rows must come out zero, on NaN-poisoned pools; the
+  call is in the compiled step (native=None picks it on CPU) and the XLA-op form agrees."""
+  from pallas_kernels.cpu import prefill as cpu_prefill
+  if not cpu_prefill.available():
+    pytest.skip("the native prefill call needs AVX-512F")
+  rng = np.random.default_rng(21)
+  reqs = [(0, 130), (37, 70), (200, 65), (0, 0)]
+  args = make_case(rng, fmt, 16, 9, 3, head_dim, reqs)
+  kw = dict(max_query_len=130, num_prefill_slots=4)
+  ref = ref_attention(*args, **kw)
+  f = jax.jit(lambda *a: xla.ragged_paged_attention(*a, **kw))
+  assert "jaxinfer_prefill_attention" in f.lower(*args).as_text()
+  out = np.asarray(f(*args))
+  assert np.isfinite(out).all()
+  assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+  ops = np.asarray(jax.jit(lambda *a: xla.ragged_paged_attention(*a, native=False, **kw))(
+      *args))
+  np.testing.assert_allclose(out, ops, rtol=1e-4, atol=1e-4)
+  # the call's own padding rows: a bucket Q past every slot's length
+  q, kn, vn, pool, layer, pt, qs, ql, cl = args[:9]
+  o, flat = jax.jit(lambda *a: cpu_prefill.prefill_attention(*a, Q=160, scale=0.125))(
+      q, kn, vn, pool, 0, pt, qs, ql, cl)
+  o = np.asarray(o)
+  for r, (_, n) in enumerate(reqs):
+    assert (o[r, n:] == 0).all() and (np.asarray(flat)[r, n:] == q.shape[0]).all()

@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 HEADERS = tuple(os.path.join(_HERE, h) for h in  # included by sources: part of the key
                 ("native_items.h", "kv_rows.h", "fast_exp.h"))
-SOURCES = tuple(os.path.join(_HERE, c) for c in ("decode.cc", "gguf.cc", "tiles.cc", "panels.cc"))
+SOURCES = tuple(os.path.join(_HERE, c) for c in ("decode.cc", "prefill.cc", "gguf.cc",
+                                                   "tiles.cc", "panels.cc"))
 # custom-call target -> the handler symbol the library exports
 TARGETS = {"jaxinfer_paged_decode": "JaxinferPagedDecode",
+           "jaxinfer_prefill_attention": "JaxinferPrefillAttention",
            "jaxinfer_block_matmul": "JaxinferBlockMatmul",
            "jaxinfer_bf16_tile_matmul": "JaxinferBf16TileMatmul",
            "jaxinfer_f32_panel_matmul": "JaxinferF32PanelMatmul"}
@@ -181,6 +183,12 @@ def panels_available() -> bool:
   """Whether the f32 panel matmul can run: the CPU has AVX-512F, or AVX2 and FMA, and
   JAXINFER_PANELS is not 0."""
   return bool(_cpu_feature("JaxinferPanelsAvailable", "JAXINFER_PANELS"))
+
+
+def prefill_available() -> bool:
+  """Whether the prefill attention call can run: the CPU has AVX-512F and
+  JAXINFER_NATIVE_PREFILL is not 0."""
+  return bool(_cpu_feature("JaxinferPrefillAvailable", "JAXINFER_NATIVE_PREFILL"))
 
 
 def stacked_call(target: str, x, w, layer, n: int, **attrs):
