@@ -31,7 +31,8 @@ def e2e_section(data: dict, img_rel: str | None) -> str:
          "",
          "`x floor`: wall time over the job's floor (its prompts' FLOPs at the matmul rate "
          "measured in the same round, then every decode step's max(bytes / read bandwidth, "
-         "FLOPs / that rate)). `engine/exact`: the engine's decode step for the batch (at "
+         "FLOPs / that rate); rate and bandwidth are the faster of the readings before and "
+         "after the round's runs). `engine/exact`: the engine's decode step for the batch (at "
          "the bucket it ran) over the same batch packed at exactly its shape. Peers run the "
          "same prompts in the same rounds; each ratio is the median of the rounds' own "
          "ratios.", ""]
