@@ -61,15 +61,31 @@ struct Args {
   jaxinfer::GroupItems it;  // groups of kGroup panels, rows split by RowsPerItem
 };
 
-template <int MR, int NB>
-JX_512 void Pass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& pf) {
+// Up to four panels' weight streams, asked for a line at a time round robin, `per_k`
+// lines per Step.
+struct StreamsAhead {
+  const char* p[kGroup] = {};
+  int64_t streams = 0, lines = 0, i = 0, per_k = 0;
+  inline void Step() {
+    for (int64_t t = 0; t < per_k && i < streams * lines; ++t, ++i)
+      __builtin_prefetch(p[i % streams] + 64 * (i / streams), 0, 2);
+  }
+};
+
+// MR rows x NB panels over k in [k0, k1), the accumulators starting from y (`load`) or 0;
+// pf.Step() once per k (a WeightsAhead or StreamsAhead).
+template <int MR, int NB, typename Ahead>
+JX_512 void BlockPass(const Args& a, int64_t m0, int64_t j0, int64_t k0, int64_t k1, bool load,
+                      Ahead& pf) {
   __m512 acc[MR][NB];
+  float* y = a.y + m0 * a.N + j0 * kCols;
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j)
+      acc[m][j] = load ? _mm512_loadu_ps(y + m * a.N + j * kCols) : _mm512_setzero_ps();
   const float* w = a.w + j0 * a.K * kCols;
-  const int64_t stride = a.K * kCols;  // from one panel to the next
+  const int64_t stride = a.K * kCols;
   const float* x = a.x + m0 * a.K;
-  for (int64_t k = 0; k < a.K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     pf.Step();
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + k * kCols);
@@ -79,8 +95,7 @@ JX_512 void Pass(const Args& a, int64_t m0, int64_t j0, jaxinfer::WeightsAhead& 
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j)
-      _mm512_storeu_ps(a.y + (m0 + m) * a.N + (j0 + j) * kCols, acc[m][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + m * a.N + j * kCols, acc[m][j]);
 }
 
 // Item `item`'s passes, fetching the weights of item `next` (one line per k of a panel)
@@ -92,7 +107,7 @@ void Passes(const Args& a, int64_t item, int64_t next) {
   const int64_t lines = gn < 0 ? 0 : a.it.Blocks(gn) * a.K;
   jaxinfer::SixRowPassesAhead(a.it.Row0(item), a.it.Rows(item), a.K, nw, lines,
                               [&](auto mr, int64_t m, jaxinfer::WeightsAhead& pf) {
-                                Pass<mr.value, NB>(a, m, g * kGroup, pf);
+                                BlockPass<mr.value, NB>(a, m, g * kGroup, 0, a.K, false, pf);
                               });
 }
 
@@ -129,42 +144,6 @@ void Item256(const Args& a, int64_t item, int64_t next) {
                                 for (int64_t j = 0; j < blocks; ++j)
                                   Pass256<mr.value>(a, m, g * kGroup + j, pf);
                               });
-}
-
-// Up to four panels' weight streams, asked for a line at a time round robin, `per_k`
-// lines per Step.
-struct StreamsAhead {
-  const char* p[kGroup] = {};
-  int64_t streams = 0, lines = 0, i = 0, per_k = 0;
-  inline void Step() {
-    for (int64_t t = 0; t < per_k && i < streams * lines; ++t, ++i)
-      __builtin_prefetch(p[i % streams] + 64 * (i / streams), 0, 2);
-  }
-};
-
-// MR rows x NB panels over k in [k0, k1), the accumulators starting from y (`load`) or 0.
-template <int MR, int NB>
-JX_512 void BlockPass(const Args& a, int64_t m0, int64_t j0, int64_t k0, int64_t k1, bool load,
-                      StreamsAhead& pf) {
-  __m512 acc[MR][NB];
-  float* y = a.y + m0 * a.N + j0 * kCols;
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j)
-      acc[m][j] = load ? _mm512_loadu_ps(y + m * a.N + j * kCols) : _mm512_setzero_ps();
-  const float* w = a.w + j0 * a.K * kCols;
-  const int64_t stride = a.K * kCols;
-  const float* x = a.x + m0 * a.K;
-  for (int64_t k = k0; k < k1; ++k) {
-    pf.Step();
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + k * kCols);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * a.K + k]);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + m * a.N + j * kCols, acc[m][j]);
 }
 
 // Item `item` in K blocks (see the top of the file); `next`: the thread's next item.

@@ -53,22 +53,6 @@ struct Args {
 };
 
 #if defined(__AVX512F__)
-// exp(x) for 16 floats, fast_exp.h's polynomial (x clamped below at kExpMin, NaN kept).
-inline __m512 Exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(kExpMin), x);
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), f);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_add_epi32(_mm512_castps_si512(p),
-                                     _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  return _mm512_castsi512_ps(e);
-}
-
 // Rows [r0, r0 + MR) of an item: scores against keys [0, limit[m]) each, online softmax,
 // weighted values; o[m] <- the rows' outputs (normalised).
 template <int MR>
