@@ -545,19 +545,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   a.scale = scale;
   a.window = window.typed_data()[0];
   a.softcap = softcap;
-  for (Pool* p : {&a.kp, &a.vp}) {
-    p->fmt = static_cast<Format>(fmt);
-    p->P = cd[2];
-    p->ps = cd[3];
-    p->Hc = cd[4];
-    p->H = a.H;
-    p->code_bytes = k_codes.element_type() == ffi::F32 ? 4
-                    : (k_codes.element_type() == ffi::U16 ? 2 : 1);
-  }
-  a.kp.codes = k_codes.untyped_data();
-  a.vp.codes = v_codes.untyped_data();
-  a.kp.scales = k_scales.untyped_data();
-  a.vp.scales = v_scales.untyped_data();
+  a.kp = PoolOf(fmt, k_codes, k_scales, a.H);
+  a.vp = PoolOf(fmt, v_codes, v_scales, a.H);
   sh->fn = Select(a.H, a.G);
   a.deep = IsAmd() ? std::max<int64_t>(2, kDeepTokens / a.kp.ps) : 0;
 

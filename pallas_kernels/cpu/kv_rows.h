@@ -1,5 +1,5 @@
-// KV pool rows for the paged decode call (decode.cc): every format of kv_codec.py read
-// as float32, a row at a time, and prefetched ahead of use.
+// KV pool rows for the attention calls (decode.cc, prefill.cc): every format of
+// kv_codec.py read as float32, a row at a time, and prefetched ahead of use.
 #ifndef JAXINFER_KV_ROWS_H_
 #define JAXINFER_KV_ROWS_H_
 
@@ -168,6 +168,24 @@ struct Pool {
     return buf;
   }
 };
+
+// The Pool of a K or V codes buffer [L, K, P, ps, Hc] and its scales, read as H-float
+// rows (an XLA FFI AnyBuffer: the attention calls' operands).
+template <typename AnyBuffer>
+inline Pool PoolOf(int32_t fmt, const AnyBuffer& codes, const AnyBuffer& scales, int64_t H) {
+  const auto cd = codes.dimensions();
+  Pool p;
+  p.fmt = static_cast<Format>(fmt);
+  p.P = cd[2];
+  p.ps = cd[3];
+  p.Hc = cd[4];
+  p.H = H;
+  const int64_t n = static_cast<int64_t>(codes.element_count());
+  p.code_bytes = n > 0 ? static_cast<int64_t>(codes.size_bytes()) / n : 4;
+  p.codes = codes.untyped_data();
+  p.scales = scales.untyped_data();
+  return p;
+}
 
 }  // namespace jaxinfer
 
