@@ -1,7 +1,8 @@
 """The XLA:CPU attention backend (pallas_kernels/paged_attention/xla.py) against the jnp
 reference, on NaN-poisoned pools: every KV format, GQA ratios, page sizes, decode-only and
-mixed steps, contexts spanning many page blocks, padding slots, Q precision. Decode slots
-run both ways each time: XLA ops, and the native CPU custom call (decode.cc)."""
+mixed steps, contexts spanning many page blocks, padding slots, Q precision. Decode and
+prefill slots run both ways each time: XLA ops, and the native CPU custom calls (decode.cc,
+prefill.cc; windows and score caps keep XLA ops for prefill slots)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

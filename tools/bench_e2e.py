@@ -27,9 +27,8 @@ steps and seconds (the mixed steps' shapes show where prefill time goes).
 
 Rounds alternate the systems (ours first: torch's threads spin on after an HF call) and
 re-measure the floors before and after the round's runs, each floor from the faster
-reading (a floor bounds the time from below: the VM's read bandwidth swung 36-70 GB/s
-within one run, and a reading taken in a slow spell put one job below its "floor");
-ratios are medians of each round's own ratio. Writes
+reading (a floor bounds the time from below, so a reading taken in one of the VM's slow
+spells must not raise it); ratios are medians of each round's own ratio. Writes
 bench_e2e.json (and nothing else) under --output_dir; tools/report.py renders it.
 """
 from __future__ import annotations

@@ -127,7 +127,7 @@ inline void ItemTokens(const Args& a, int64_t r, int64_t split, int64_t* tb, int
 
 inline int64_t PageAt(const Args& a, int64_t r, int64_t t) {
   const int64_t page = a.page_table[r * a.pages_per_slot + t / a.kp.ps];
-  return page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
+  return a.kp.ClampPage(page);
 }
 
 // A page's first rows to prefetch: the next page of an item, or the first page of the item

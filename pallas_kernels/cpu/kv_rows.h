@@ -88,6 +88,10 @@ struct Pool {
       __builtin_prefetch(base + off, 0, kLocality);
   }
 
+  // A page-table entry clipped into the pool, as XLA's gathers clip (a bad table must not
+  // make a call read outside its buffers).
+  int64_t ClampPage(int64_t page) const { return page < 0 ? 0 : (page >= P ? P - 1 : page); }
+
   // The factor Row's values of a page lack: the fp8 page scale times 2^8, else 1.
   float PageScale(int64_t lk, int64_t page) const {
     return fmt == kFP8 ? static_cast<const float*>(scales)[lk * P + page] * 256.0f : 1.0f;

@@ -18,9 +18,8 @@
 // kBlockK instead (Blocked): every pass of the block reads its weights from L1, the
 // accumulators are stored after each block and loaded again for the next, and while the
 // passes run, the next block's weight lines (or the thread's next item's first block) are
-// asked for, spread over their K steps. Memory and FMAs then overlap within an item: at 16
-// rows the two take about equal time, and the item-ahead fetch of passes 2 and 3 alone left
-// the first pass of every item waiting on memory (docs/design.md has the step times).
+// asked for, spread over their K steps, so that an item's memory reads overlap its FMAs
+// rather than only the next item's (docs/design.md has the step times).
 //
 // Without AVX-512 (AVX2 + FMA: 16 ymm registers), a pass covers one panel at a time: its
 // 16 columns are two ymm vectors, times six broadcast x values into 12 accumulators
@@ -47,7 +46,7 @@ constexpr int64_t kCols = 16;   // a panel's width: one zmm of float32
 constexpr int64_t kGroup = 4;   // panels per work item
 constexpr int64_t kMinParallelItems = 4;
 constexpr int64_t kBlockK = 128;  // Blocked's K block: 4 panels' 32 KB of weights in L1
-constexpr int64_t kBlockedRows[2] = {13, 24};  // calls Blocked serves (rows, inclusive)
+constexpr int64_t kBlockedMinRows = 13, kBlockedMaxRows = 24;  // calls Blocked serves
 
 #ifdef JX_HAVE_512
 const bool kAvx512 = __builtin_cpu_supports("avx512f");
@@ -177,7 +176,7 @@ JX_512 void Blocked(const Args& a, int64_t item, int64_t next) {
 
 JX_512 void Item(const Args& a, int64_t item, int64_t next) {
   const int64_t rows = a.it.Rows(item);
-  if (rows >= kBlockedRows[0] && rows <= kBlockedRows[1]) {
+  if (rows >= kBlockedMinRows && rows <= kBlockedMaxRows) {
     switch (a.it.Blocks(a.it.Group(item))) {
       case 1: Blocked<1>(a, item, next); return;
       case 2: Blocked<2>(a, item, next); return;

@@ -9,9 +9,9 @@
 // are six broadcast query values times four 16-key vectors of K^T per head dimension (24
 // accumulators, as panels.cc's matmul), an online softmax per row over the 64 keys, and
 // the weighted values six broadcast weights times four 16-dimension vectors of V per key.
-// The XLA-op form (paged_attention/xla.py) ran each chunk's scores, softmax and values as
-// separate fusions over [K, C, G, keys] copies: a 256-token prompt's attention took a
-// third of SmolLM2's prefill step (docs/design.md).
+// Scores and weights stay in registers and one small buffer per six rows, where the
+// XLA-op form (paged_attention/xla.py) writes each chunk's scores, masks and weights to
+// memory between fusions (docs/design.md has the step times).
 //
 // Rows past a slot's query_len are written as zeros (the caller drops them). Metadata out
 // of range is clipped, as decode.cc does, rather than read out of bounds.
@@ -96,10 +96,11 @@ void Rows(const Args& a, const float* qs, const float* kt, const float* vr, int6
       used = std::max(used, n);
       // the block's keys past n masked to -inf (their weights then 0), 16 at a time
       __m512 v[4], mv = _mm512_set1_ps(m[r]);
+      __mmask16 keep[4];
       for (int j = 0; j < 4; ++j) {
         const int64_t left = n - 16 * j;
-        const __mmask16 keep = left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1);
-        v[j] = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), keep, &s[r][16 * j]);
+        keep[j] = left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1);
+        v[j] = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), keep[j], &s[r][16 * j]);
         mv = _mm512_max_ps(mv, v[j]);
       }
       const float mx = _mm512_reduce_max_ps(mv);
@@ -108,9 +109,7 @@ void Rows(const Args& a, const float* qs, const float* kt, const float* vr, int6
       __m512 sum = _mm512_setzero_ps();
       const __m512 vmx = _mm512_set1_ps(mx);
       for (int j = 0; j < 4; ++j) {
-        const int64_t left = n - 16 * j;
-        const __mmask16 keep = left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(keep, Exp16(_mm512_sub_ps(v[j], vmx)));
+        const __m512 p = _mm512_maskz_mov_ps(keep[j], Exp16(_mm512_sub_ps(v[j], vmx)));
         _mm512_store_ps(&s[r][16 * j], p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -178,8 +177,7 @@ void Item(const Args& a, int64_t item) {
     for (int64_t h = 0; h < H; ++h) v[h] = vrow[h] * vs;
   };
   for (int64_t t = 0; t < cl; ++t) {
-    int64_t page = a.page_table[r * a.pages_per_slot + t / ps];
-    page = page < 0 ? 0 : (page >= a.kp.P ? a.kp.P - 1 : page);
+    const int64_t page = a.kp.ClampPage(a.page_table[r * a.pages_per_slot + t / ps]);
     put(t, a.kp.Row(lk, page, t % ps, kbuf), a.kp.PageScale(lk, page),
         a.vp.Row(lk, page, t % ps, vbuf), a.vp.PageScale(lk, page));
   }
@@ -227,13 +225,12 @@ struct Shared {
   std::atomic<int64_t> done{0};
 };
 
+// The chunks of a (slot, head) last to first: the longest (causal) first.
 void Drain(Shared* sh) {
-  for (int64_t i = sh->next.fetch_add(1); i < sh->items; i = sh->next.fetch_add(1)) {
-    // the chunks of a (slot, head) last to first: the longest (causal) first
-    const int64_t c = i % sh->args.chunks, rk = i / sh->args.chunks;
-    Item(sh->args, rk * sh->args.chunks + (sh->args.chunks - 1 - c));
-    sh->done.fetch_add(1, std::memory_order_release);
-  }
+  const int64_t chunks = sh->args.chunks;
+  DrainAhead(sh, sh->items, [sh, chunks](int64_t i, int64_t) {
+    Item(sh->args, i / chunks * chunks + (chunks - 1 - i % chunks));
+  });
 }
 #endif  // __AVX512F__
 

@@ -25,8 +25,8 @@ x86 machine (per-op profile in the README's performance section):
   them), which is what the native call avoids.
 - On CPU, slots with several new tokens run the native custom call of
   `pallas_kernels/cpu/prefill.py` / `prefill.cc` (without sliding windows and score caps):
-  its work items keep each block's scores in registers, where the XLA-op form below wrote
-  scores, weights and masks between fusions (a 256-token prompt 3x faster per layer).
+  its work items keep each block's scores in registers, where the XLA-op form below writes
+  scores, weights and masks between fusions (docs/design.md has the step times).
 - Slots with several new tokens (prefill chunks, verify windows) run one after another,
   each in chunks of query rows up to its own query: each chunk scores its slot's new
   tokens causally up to itself, then that slot's cached blocks, so the work follows each
