@@ -260,17 +260,22 @@ def test_profile_step_small(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_bench_tiny(tmp_path):
+@pytest.mark.parametrize("client", ["http", "openai"])
+def test_serve_bench_tiny(tmp_path, client):
   """experiments.serve_bench end to end at a tiny size: a real server per policy over HTTP
-  (the openai client), every request accounted, the server exits 0 on SIGTERM, and the
+  (the raw client and the openai one), every request accounted in every round, the
+  server exits 0 on SIGTERM, the reported ratio is the median of the rounds' own, and the
   offline run and both floors sit beside the figures."""
   out = _run("experiments.serve_bench", "--policies=continuous", "--num_prompts=2",
              "--max_tokens=4", "--max_num_seqs=2", "--max_num_batched_tokens=16", "--hf=false",
-             f"--output_dir={tmp_path}")
+             "--rounds=3", f"--client={client}", f"--output_dir={tmp_path}")
   d = _loads((tmp_path / "serve_bench.json").read_text())
   p = d["policies"]["continuous"]
   assert p["requests"] == 2 and p["output_tokens"] == 2 * 4 and p["server_exit_code"] == 0
   assert p["ttft"]["median_ms"] > 0 and p["e2e"]["p99_ms"] >= p["ttft"]["p99_ms"]
+  ratios = [r["served_over_offline"] for r in p["rounds"]]
+  assert len(ratios) == 3 and p["served_over_offline"] == sorted(ratios)[1]
+  assert all(r["served_wall_s"] > 0 and r["offline_wall_s"] > 0 for r in p["rounds"])
   assert d["offline"]["continuous"]["output_tokens"] == 2 * 4
   assert d["floors"]["bandwidth_floor_ms"] > 0 and d["floors"]["compute_floor_ms"] > 0
   assert "serving overhead" in out and (tmp_path / "serve_bench.png").stat().st_size > 5_000

@@ -70,21 +70,28 @@ def serve_section(data: dict) -> str:
   prompts, with the machine's floors of one decode step."""
   fl = data["flags"]
   rate = fl["request_rate"]
+  rounds = next(iter(data["policies"].values()), {}).get("rounds")
   sent = "all at once" if not rate else f"at {rate:g} per second ({fl['arrival']})"
   out = [f"## Serving: the server beside the offline run ({fl['model']})", "",
          f"{fl['num_prompts']} chat requests of {fl['max_tokens']} tokens each, sent {sent} "
          f"to `jaxinfer serve` (max_num_seqs {fl['max_num_seqs']}, token budget "
          f"{fl['max_num_batched_tokens']}); the offline run sends the same prompts through "
-         "`LLM.chat` in the same process setup. Command: `python -m experiments.serve_bench "
+         "`LLM.chat` in the same process setup"
+         + (f", alternated over {len(rounds)} rounds (the median round's figures; served / "
+            "offline is the median of the rounds' own ratios)" if rounds else "")
+         + ". Command: `python -m experiments.serve_bench "
          f"--num_prompts={fl['num_prompts']} --request_rate={rate:g} "
-         f"--max_tokens={fl['max_tokens']}`.", "",
+         f"--max_tokens={fl['max_tokens']}"
+         + "".join(f" --{k}={fl[k]}" for k in ("client", "rounds") if k in fl) + "`.", "",
          "| policy | served tok/s | offline tok/s | served / offline | TTFT mean ms | TTFT p99 "
          "ms | TPOT mean ms | goodput req/s |", "|---|---|---|---|---|---|---|---|"]
   for name, pol in data["policies"].items():
     off = (data.get("offline") or {}).get(name)
     off_tps = off["output_tokens"] / off["wall_s"] if off else None
+    ratio = pol.get("served_over_offline") or (pol["output_tok_s"] / off_tps if off_tps
+                                               else None)
     out.append(f"| {name} | {pol['output_tok_s']:.1f} | {_f(off_tps, '.1f')} | "
-               f"{_f(pol['output_tok_s'] / off_tps if off_tps else None)} | "
+               f"{_f(ratio)} | "
                f"{pol['ttft']['mean_ms']:.0f} | {pol['ttft']['p99_ms']:.0f} | "
                f"{pol['tpot']['mean_ms']:.1f} | {pol['goodput_rps']:.2f} |")
   f = data.get("floors")

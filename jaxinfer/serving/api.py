@@ -28,6 +28,7 @@ from jaxinfer.serving.protocol import (ApiError, bad, messages_from_body, prompt
                                        sampling_from_body)
 
 _DISCONNECT_POLL_S = 0.25
+_POLL = object()  # in a stream's queue: time to ask whether its client is still there
 
 
 def _json(status: int, body: Dict[str, Any]) -> Response:
@@ -36,6 +37,27 @@ def _json(status: int, body: Dict[str, Any]) -> Response:
 
 def _sse(obj) -> str:
   return f"data: {strict_json.dumps(obj)}\n\n"
+
+
+class _Poller:
+  """Puts a _POLL in a stream's queue when nothing came for _DISCONNECT_POLL_S, until
+  stopped: a waiting stream notices a client that went away, without a timer per
+  update."""
+
+  def __init__(self, q: asyncio.Queue):
+    self.q = q
+    self.loop = asyncio.get_running_loop()
+    self.quiet = True  # nothing taken from q since the last tick (see _next)
+    self.handle = self.loop.call_later(_DISCONNECT_POLL_S, self._tick)
+
+  def _tick(self) -> None:
+    if self.quiet:
+      self.q.put_nowait(_POLL)
+    self.quiet = True
+    self.handle = self.loop.call_later(_DISCONNECT_POLL_S, self._tick)
+
+  def stop(self) -> None:
+    self.handle.cancel()
 
 
 def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional[str] = None,
@@ -151,24 +173,23 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       raise ApiError(503, str(e), type_="service_unavailable") from None
     return rids, q
 
-  async def _next(request: Request, q: asyncio.Queue):
-    """The next update, or None if the client disconnected meanwhile (a stream: the
-    response also stops when the server sees the disconnect)."""
+  async def _next(request: Request, q: asyncio.Queue, poller: _Poller):
+    """The next update of a stream, or None if the client disconnected meanwhile (asked
+    each _DISCONNECT_POLL_S by a _Poller's _POLL in the queue; the response also
+    stops when a write finds the client gone)."""
     while True:
-      try:
-        return await asyncio.wait_for(q.get(), _DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected():
-          return None
+      item = await q.get()
+      if item is not _POLL:
+        poller.quiet = False
+        return item
+      if await request.is_disconnected():
+        return None
 
-  async def _next_or_gone(q: asyncio.Queue, gone: "asyncio.Future"):
-    """The next update, or None as soon as `gone` (the client's disconnect) completes."""
-    get = asyncio.ensure_future(q.get())
-    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-      return get.result()
-    get.cancel()
-    return None
+  def _watch(request: Request, q: asyncio.Queue) -> "asyncio.Future":
+    """A task that puts None in q when the client disconnects (cancel it when done)."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda f: None if f.cancelled() else q.put_nowait(None))
+    return gone
 
   def _refusal(u: Update) -> Optional[ApiError]:
     if u.finish_reason == "rejected":
@@ -254,10 +275,10 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     tops: List[list] = [[] for _ in rids]
     reasons: List[Optional[str]] = [None] * len(rids)
     left = len(rids)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = _watch(request, q)
     try:
       while left:
-        item = await _next_or_gone(q, gone)
+        item = await q.get()
         if item is None:  # the client went away: free its pages at the next step
           for x in rids:
             service.abort(x)
@@ -325,12 +346,13 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
     left = len(rids)
     n_out = 0
     finished = False
+    poller = _Poller(q)
     try:
       if chat:
         for i in range(len(rids)):
           yield chunk(i, "", first=True)
       while left:
-        item = await _next(request, q)
+        item = await _next(request, q, poller)
         if item is None:
           return  # disconnected: the finally clause aborts
         i, u = item
@@ -342,9 +364,10 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
             for x in rids:
               service.abort(x)
             break
-          if u.text or u.token_ids:
-            yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs)
-          yield chunk(i, "", reason=u.finish_reason)
+          last = chunk(i, "", reason=u.finish_reason)
+          if u.text or u.token_ids:  # one write for both events
+            last = chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs) + last
+          yield last
           left -= 1
         elif u.text or (extras["logprobs"] and u.token_ids):
           yield chunk(i, u.text, toks=u.token_ids, lps=u.logprobs, tops=u.top_logprobs)
@@ -356,6 +379,7 @@ def build_app(service: EngineService, llm, *, model_name: str, api_key: Optional
       yield "data: [DONE]\n\n"
       finished = True
     finally:
+      poller.stop()
       if not finished:  # client gone or the response was cancelled: free the pages
         for x in rids:
           service.abort(x)
