@@ -49,12 +49,16 @@ def make_replicas(c, n: int) -> List:
   return out
 
 
-def make_stream(c, name: str, lazy: bool = False):
-  """The stream `name` as a list of Arrivals (lazy: bursty's made as they are read)."""
+def make_stream(c, name: str, lazy: bool = False, cell: int = 0, cells: int = 1):
+  """The stream `name` as a list of Arrivals (lazy: bursty's made as they are read).
+  With cells > 1, the part cell `cell` takes: every cells-th request (bursty; its prompts
+  drawn from the cell's own seed: the lengths and times are the whole stream's), or the
+  sessions whose id is `cell` modulo cells (a session stays in one cell)."""
   if name == "sessions":
     s = c.sessions
-    return streams.sessions(s.num_sessions, s.turns, s.rate, s.system_tokens, s.user_tokens,
-                            s.output_tokens, s.think_s, c.seed)
+    out = streams.sessions(s.num_sessions, s.turns, s.rate, s.system_tokens, s.user_tokens,
+                           s.output_tokens, s.think_s, c.seed)
+    return [a for a in out if a.session % cells == cell]
   if name == "bursty":
     b = c.bursty
     times = streams.arrival_times("gamma", b.rate, b.num_requests, c.seed, cv=b.cv)
@@ -62,7 +66,9 @@ def make_stream(c, name: str, lazy: bool = False):
                         c.seed + 1)
     g = streams.lengths(b.num_requests, b.output_median, b.output_sigma, 1, b.output_max,
                         c.seed + 2)
-    return (streams.iter_independent if lazy else streams.independent)(times, p, g, c.seed)
+    seed = c.seed if cell == 0 else [c.seed, cell]
+    return (streams.iter_independent if lazy else streams.independent)(
+        times[cell::cells], p[cell::cells], g[cell::cells], seed)
   raise ValueError(f"unknown stream {name!r}: 'sessions' or 'bursty'")
 
 
@@ -70,38 +76,93 @@ def _pct(xs, q):
   return float(np.percentile(xs, q)) if len(xs) else None
 
 
-def summarize(reqs, fleet, wall_s: float) -> Dict:
+def columns(reqs, fleet) -> Dict:
+  """What a run's summary reads: each finished request's TTFT, E2E and gaps between its
+  tokens, the prompt and cached token totals, requests per replica, steps."""
   done = [r for r in reqs if r.state.value == "finished"]
-  ttft = [r.ttft for r in done if r.ttft is not None]
-  itl = np.concatenate([np.diff(r.token_times) for r in done]) if done else []
-  e2e = [r.latency for r in done if r.latency is not None]
-  prompt = sum(r.num_prompt_tokens for r in reqs)
-  routed = np.asarray(fleet.routed, float)
   return {"requests": len(reqs), "finished": len(done),
-          "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+          "ttft": np.asarray([r.ttft for r in done if r.ttft is not None], float),
+          "itl": np.concatenate([np.diff(r.token_times) for r in done]) if done else
+          np.zeros(0),
+          "e2e": np.asarray([r.latency for r in done if r.latency is not None], float),
+          "prompt_tokens": sum(r.num_prompt_tokens for r in reqs),
+          "cached_tokens": sum(r.cached_tokens for r in reqs),
+          "routed": list(fleet.routed),
+          "makespan_s": max(r.finished_at for r in done) if done else None,
+          "steps": fleet.steps}
+
+
+def merge(cols: List[Dict]) -> Dict:
+  """One fleet's columns from its cells' (in cell order)."""
+  ends = [c["makespan_s"] for c in cols if c["makespan_s"] is not None]
+  out = {k: sum(c[k] for c in cols) for k in ("requests", "finished", "prompt_tokens",
+                                               "cached_tokens", "steps")}
+  out.update({k: np.concatenate([c[k] for c in cols]) for k in ("ttft", "itl", "e2e")},
+             routed=[n for c in cols for n in c["routed"]],
+             makespan_s=max(ends) if ends else None)
+  return out
+
+
+def summary(col: Dict, wall_s: float) -> Dict:
+  itl, prompt = col["itl"], col["prompt_tokens"]
+  routed = np.asarray(col["routed"], float)
+  return {"requests": col["requests"], "finished": col["finished"],
+          "ttft_p50_s": _pct(col["ttft"], 50), "ttft_p99_s": _pct(col["ttft"], 99),
           "itl_p50_ms": 1e3 * _pct(itl, 50) if len(itl) else None,
           "itl_p99_ms": 1e3 * _pct(itl, 99) if len(itl) else None,
-          "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
-          "cache_hit_share": sum(r.cached_tokens for r in reqs) / prompt if prompt else 0.0,
-          "routed": fleet.routed, "imbalance": float(routed.max() / routed.mean()),
-          "makespan_s": max(r.finished_at for r in done) if done else None,
-          "steps": fleet.steps, "wall_s": wall_s, "sim_requests_per_wall_s": len(reqs) / wall_s}
+          "e2e_p50_s": _pct(col["e2e"], 50), "e2e_p99_s": _pct(col["e2e"], 99),
+          "cache_hit_share": col["cached_tokens"] / prompt if prompt else 0.0,
+          "routed": col["routed"], "imbalance": float(routed.max() / routed.mean()),
+          "makespan_s": col["makespan_s"], "steps": col["steps"], "wall_s": wall_s,
+          "sim_requests_per_wall_s": col["requests"] / wall_s}
+
+
+def summarize(reqs, fleet, wall_s: float) -> Dict:
+  return summary(columns(reqs, fleet), wall_s)
+
+
+def _cell(job) -> Dict:
+  """One cell of a (stream, policy) run: c.replicas / cells replicas behind their own
+  router, taking the cell's part of the stream; its columns (in a worker process when
+  cells > 1)."""
+  from jaxinfer.runtime.fleet import Fleet
+  from jaxinfer.runtime.routing import make_policy
+  c, stream, policy, cell, cells = job
+  fleet = Fleet(make_replicas(c, c.replicas // cells),
+                make_policy(policy, c.balance_threshold, seed=c.seed if cell == 0
+                            else [c.seed, cell]))
+  arrivals = make_stream(c, stream, lazy=True, cell=cell, cells=cells)
+  t0 = time.perf_counter()
+  name = f"{stream} {policy}" + (f" cell {cell + 1}/{cells}" if cells > 1 else "")
+
+  def progress(n: int, t: float) -> None:
+    print(f"[fleet] {name}: {n:,} requests routed, {t:.0f} s simulated, "
+          f"{n / (time.perf_counter() - t0):.0f} per wall-second", file=sys.stderr, flush=True)
+
+  return columns(fleet.run(arrivals, compact=True, progress=progress), fleet)
 
 
 def run_one(c, stream: str, policy: str) -> Dict:
-  from jaxinfer.runtime.fleet import Fleet
-  from jaxinfer.runtime.routing import make_policy
-  replicas = make_replicas(c, c.replicas)
-  fleet = Fleet(replicas, make_policy(policy, c.balance_threshold, seed=c.seed))
-  arrivals = make_stream(c, stream, lazy=True)
+  """One (stream, policy) condition. With c.cells > 1 the fleet is that many cells, each
+  a router over c.replicas / c.cells replicas, requests dealt to the cells in turn (a
+  session stays in its cell), each cell in its own process: cells share nothing, so the
+  simulation runs on as many cores."""
+  cells = c.cells
+  if cells < 1 or c.replicas % cells:
+    raise ValueError(f"cells must be >= 1 and divide replicas: got cells={cells}, "
+                     f"replicas={c.replicas}")
   t0 = time.perf_counter()
-
-  def progress(n: int, t: float) -> None:
-    print(f"[fleet] {stream} {policy}: {n:,} requests routed, {t:.0f} s simulated, "
-          f"{n / (time.perf_counter() - t0):.0f} per wall-second", file=sys.stderr, flush=True)
-
-  reqs = fleet.run(arrivals, compact=True, progress=progress)
-  return dict(summarize(reqs, fleet, time.perf_counter() - t0), stream=stream, policy=policy)
+  jobs = [(c, stream, policy, k, cells) for k in range(cells)]
+  if cells == 1:
+    col = _cell(jobs[0])
+  else:
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(
+        cells, mp_context=multiprocessing.get_context("spawn")) as pool:
+      col = merge(list(pool.map(_cell, jobs)))
+  return dict(summary(col, time.perf_counter() - t0), stream=stream, policy=policy,
+              cells=cells)
 
 
 def run_autoscale(c, scaled: bool) -> Dict:
@@ -229,6 +290,8 @@ def run_study(c, output_dir: str = "") -> Dict:
     jobs += [(c, "disagg", s, p) for s in c.disagg.streams for p in range(c.disagg.gpus)]
   prog = Progress(len(jobs), "fleet")
   workers = min(c.workers or os.cpu_count() or 1, len(jobs))
+  if c.cells > 1:  # each condition runs its cells in processes of its own
+    workers = 1
   out = []
   if workers > 1:
     import concurrent.futures

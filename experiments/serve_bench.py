@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from typing import Dict, List
@@ -308,6 +309,9 @@ def main(argv):
                                                     "max_num_batched_tokens", "slo", "client",
                                                     "rounds")},
              "slo": slo, "policies": {}}
+  from jaxinfer.benchmarking import machine_stamp
+  results["machine"] = machine_stamp("python -m experiments.serve_bench " + " ".join(
+      a for a in sys.argv[1:]))
   loaded = None
   if FLAGS.offline:
     from jaxinfer.loading import load_model

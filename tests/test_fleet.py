@@ -219,6 +219,31 @@ def test_study_conditions_in_worker_processes_equal_in_process(tmp_path):
   assert (tmp_path / "2" / "fleet.json").exists()
 
 
+def test_cells_deal_the_stream_and_merge_what_each_cell_gives():
+  """A fleet in cells: the cells' parts of a stream are the whole stream's times and
+  lengths (sessions whole in one cell); run in worker processes, the condition's summary
+  is the merge of each cell run in this process; cells must divide the replicas."""
+  from experiments import fleet as study
+  c = _config(replicas=4, cells=2)
+  c.bursty.num_requests = 60
+  whole = study.make_stream(c, "bursty")
+  parts = [study.make_stream(c, "bursty", cell=k, cells=2) for k in range(2)]
+  key = lambda a: (a.time, len(a.prompt_token_ids), a.sampling.max_tokens)  # noqa: E731
+  assert sorted(map(key, parts[0] + parts[1])) == sorted(map(key, whole))
+  assert parts[0][0].prompt_token_ids == whole[0].prompt_token_ids  # cell 0: the same draws
+  sessions = [study.make_stream(c, "sessions", cell=k, cells=2) for k in range(2)]
+  assert not {a.session for a in sessions[0]} & {a.session for a in sessions[1]}
+  assert sum(map(len, sessions)) == len(study.make_stream(c, "sessions"))
+  got = study.run_one(c, "bursty", "power_of_two")
+  want = study.summary(study.merge([study._cell((c, "bursty", "power_of_two", k, 2))
+                                    for k in range(2)]), got["wall_s"])
+  assert {k: v for k, v in got.items() if k not in ("stream", "policy", "cells")} == \
+      dict(want, sim_requests_per_wall_s=got["sim_requests_per_wall_s"])
+  assert got["requests"] == got["finished"] == 60 and len(got["routed"]) == 4
+  with pytest.raises(ValueError, match="cells=3.*replicas=4"):
+    study.run_one(_config(replicas=4, cells=3), "bursty", "power_of_two")
+
+
 @pytest.mark.parametrize("mode", ["continuous", "deadline"])
 def test_one_replica_fleet_equals_the_goodput_study(mode):
   """One replica fed the goodput study's simulated window (its engine, prompts, arrival

@@ -79,10 +79,10 @@ def serve_section(data: dict) -> str:
          "`LLM.chat` in the same process setup"
          + (f", alternated over {len(rounds)} rounds (the median round's figures; served / "
             "offline is the median of the rounds' own ratios)" if rounds else "")
-         + ". Command: `python -m experiments.serve_bench "
-         f"--num_prompts={fl['num_prompts']} --request_rate={rate:g} "
-         f"--max_tokens={fl['max_tokens']}"
-         + "".join(f" --{k}={fl[k]}" for k in ("client", "rounds") if k in fl) + "`.", "",
+         + (". " + _stamp(data["machine"]) if data.get("machine") else
+            ". Command: `python -m experiments.serve_bench "
+            f"--num_prompts={fl['num_prompts']} --request_rate={rate:g} "
+            f"--max_tokens={fl['max_tokens']}`."), "",
          "| policy | served tok/s | offline tok/s | served / offline | TTFT mean ms | TTFT p99 "
          "ms | TPOT mean ms | goodput req/s |", "|---|---|---|---|---|---|---|---|"]
   for name, pol in data["policies"].items():
@@ -94,6 +94,10 @@ def serve_section(data: dict) -> str:
                f"{_f(ratio)} | "
                f"{pol['ttft']['mean_ms']:.0f} | {pol['ttft']['p99_ms']:.0f} | "
                f"{pol['tpot']['mean_ms']:.1f} | {pol['goodput_rps']:.2f} |")
+  for name, pol in data["policies"].items():
+    if pol.get("rounds"):
+      out += ["", f"{name}: served / offline by round " + ", ".join(
+          _f(r["served_over_offline"]) for r in pol["rounds"]) + "."]
   f = data.get("floors")
   if f:
     out += ["", f"Floors of a decode step at this batch, measured in the run: bandwidth "

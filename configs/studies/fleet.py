@@ -4,7 +4,8 @@ routing policies, under an agent-session stream and a bursty stream.
   python -m experiments.fleet --config=configs/studies/fleet.py[:small|:scale]
 
 scale: 256 replicas, 1,000,000 bursty requests at the default's rate per replica, routed
-by power of two choices (O(1) replicas read per request).
+by power of two choices (O(1) replicas read per request) in 2 cells of 128 replicas, one
+process each.
 """
 import ml_collections
 
@@ -21,6 +22,9 @@ def get_config(mode: str = ""):
   c.streams = ("sessions", "bursty")
   c.autoscaling = True  # also the diurnal stream, fixed and autoscaled
   c.workers = 0  # processes running the conditions (0: one per CPU; 1: in this process)
+  # cells of a routed condition: each a router over replicas / cells replicas, requests
+  # dealt to them in turn, each cell in its own process (1: one router over every replica)
+  c.cells = 1
   c.balance_threshold = 2  # prefix: loads (requests) further apart than this go least-loaded
   c.seed = 0
   # agent sessions sharing a system prompt and their own history (8.3.3-like)
@@ -64,6 +68,7 @@ def get_config(mode: str = ""):
   elif mode == "scale":  # the bursty stream's rate per replica, over 256 replicas
     c.replicas = 256
     c.policies = ("power_of_two",)
+    c.cells = 2  # one per core of the 2-core machine
     c.streams = ("bursty",)
     c.autoscaling = False
     c.disaggregation = False

@@ -119,7 +119,10 @@ class PowerOfTwo(RoutingPolicy):
   def choose(self, ids, replicas):
     if len(replicas) == 1:
       return 0
-    a, b = (int(x) for x in self._rng.choice(len(replicas), 2, replace=False))
+    n = len(replicas)
+    a = int(self._rng.integers(n))  # two distinct, uniformly (no permutation of all n)
+    b = int(self._rng.integers(n - 1))
+    b += b >= a
     return min((a, b), key=lambda i: (outstanding_tokens(replicas[i]), i))
 
 
@@ -219,8 +222,9 @@ def _pages_short(engine, prompt_tokens: int) -> int:
   return need - have
 
 
-def make_policy(name: str, balance_threshold: int = 8, seed: int = 0) -> RoutingPolicy:
-  """The policy `name` (one of POLICIES)."""
+def make_policy(name: str, balance_threshold: int = 8, seed=0) -> RoutingPolicy:
+  """The policy `name` (one of POLICIES); seed (an int or a sequence of ints, as numpy's
+  generators take) draws power_of_two's pairs."""
   if name not in POLICIES:
     raise ValueError(f"routing must be one of {POLICIES}, got {name!r}")
   return {"prefix": lambda: PrefixAffinity(balance_threshold), "round_robin": RoundRobin,
