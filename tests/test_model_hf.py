@@ -47,30 +47,45 @@ def test_hf_decode_peer_grows_its_cache_one_token_a_step(smollm2, hf_smollm2):
 
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2, hf_smollm2):
-  """HF's 32 greedy tokens after PROMPT (computed once for both weight formats)."""
+  """HF's 32 greedy tokens after PROMPT and its logits at each of them (teacher-forced),
+  computed once for every weight format."""
   import torch
   ids = smollm2.tokenizer.encode(PROMPT)
   with torch.no_grad():
-    return ids, hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                    min_new_tokens=32)[0, len(ids):].tolist()
+    ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              min_new_tokens=32)[0, len(ids):].tolist()
+    logits = hf_smollm2(torch.tensor([ids + ref])).logits[0, len(ids) - 1:-1].numpy()
+  return ids, ref, logits
+
+
+# 8-bit activations (llama.cpp's products) move logits by up to about this much: where
+# HF's own top two are this close (a near tie), the products' rounding on a given CPU may
+# pick the runner-up, and the tokens after that are another continuation.
+Q8_TIE_LOGITS = 0.25
 
 
 @pytest.mark.parametrize("weight_format,activations", [("dense", "q8"), ("gguf", "f32"),
                                                       ("gguf", "q8")])
 def test_smollm2_greedy_matches_hf(smollm2, hf_greedy, weight_format, activations):
   """gguf: the decode steps multiply by the file's own Q4_1 / Q8_0 blocks (the prompt's
-  step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy; with
-  8-bit activations (llama.cpp's products) too, on this prompt."""
+  step, over 16 tokens, by the dense weights), HF by its dequantized float32 copy: the
+  same 32 greedy tokens. With 8-bit activations too, up to a near tie in HF's own logits
+  (Q8_TIE_LOGITS), where the token picked must be one of the tied ones."""
   from pallas_kernels.cpu import gguf
   if weight_format == "gguf" and not gguf.available():
     pytest.skip("the block matmul needs the native CPU library")
   from jaxinfer.llm import LLM
-  ids, ref = hf_greedy
+  ids, ref, logits = hf_greedy
   llm = LLM.from_loaded(smollm2, warmup=False, num_pages=64, weight_format=weight_format,
                         gguf_activations=activations)
   from jaxinfer.config import SamplingParams
-  out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
-  assert out.token_ids == ref
+  out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0].token_ids
+  if activations == "f32" or out == ref:
+    assert out == ref
+    return
+  i = next(k for k in range(32) if out[k] != ref[k])
+  assert logits[i][out[i]] >= logits[i][ref[i]] - Q8_TIE_LOGITS, (i, logits[i][out[i]],
+                                                                   logits[i][ref[i]])
 
 
 @pytest.fixture(scope="module")
