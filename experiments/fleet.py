@@ -66,10 +66,15 @@ def make_stream(c, name: str, lazy: bool = False, cell: int = 0, cells: int = 1)
                         c.seed + 1)
     g = streams.lengths(b.num_requests, b.output_median, b.output_sigma, 1, b.output_max,
                         c.seed + 2)
-    seed = c.seed if cell == 0 else [c.seed, cell]
     return (streams.iter_independent if lazy else streams.independent)(
-        times[cell::cells], p[cell::cells], g[cell::cells], seed)
+        times[cell::cells], p[cell::cells], g[cell::cells], _cell_seed(c, cell))
   raise ValueError(f"unknown stream {name!r}: 'sessions' or 'bursty'")
+
+
+def _cell_seed(c, cell: int):
+  """A cell's seed for its prompts and its router: cell 0 keeps c.seed (one cell is the
+  one-router fleet, draw for draw), the others their own."""
+  return c.seed if cell == 0 else [c.seed, cell]
 
 
 def _pct(xs, q):
@@ -129,8 +134,7 @@ def _cell(job) -> Dict:
   from jaxinfer.runtime.routing import make_policy
   c, stream, policy, cell, cells = job
   fleet = Fleet(make_replicas(c, c.replicas // cells),
-                make_policy(policy, c.balance_threshold, seed=c.seed if cell == 0
-                            else [c.seed, cell]))
+                make_policy(policy, c.balance_threshold, seed=_cell_seed(c, cell)))
   arrivals = make_stream(c, stream, lazy=True, cell=cell, cells=cells)
   t0 = time.perf_counter()
   name = f"{stream} {policy}" + (f" cell {cell + 1}/{cells}" if cells > 1 else "")

@@ -268,11 +268,6 @@ def offline_run(llm, prompts) -> Dict:
           if dec else 0}
 
 
-def _median_round(rounds: List[Dict], key: str) -> Dict:
-  """The round whose `key` is the median (the lower middle one of an even count)."""
-  return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
-
-
 def floors(cfg, batch: int) -> Dict:
   """Decode-step floors on this machine at `batch` (f32): the weight bytes a step reads
   over the measured read bandwidth, and the step's matmul FLOPs over the measured rate of
@@ -310,8 +305,7 @@ def main(argv):
                                                     "rounds")},
              "slo": slo, "policies": {}}
   from jaxinfer.benchmarking import machine_stamp
-  results["machine"] = machine_stamp("python -m experiments.serve_bench " + " ".join(
-      a for a in sys.argv[1:]))
+  results["machine"] = machine_stamp("python -m experiments.serve_bench " + " ".join(sys.argv[1:]))
   loaded = None
   if FLAGS.offline:
     from jaxinfer.loading import load_model
@@ -343,10 +337,10 @@ def main(argv):
         off_tps = offs[k]["output_tokens"] / offs[k]["wall_s"]
         run["summary"]["served_over_offline"] = run["summary"]["output_tok_s"] / off_tps
     key = "served_over_offline" if offs else "output_tok_s"
-    mid = _median_round([r["summary"] for r in runs], key)
-    k = next(i for i, r in enumerate(runs) if r["summary"] is mid)
+    # the median round (the lower middle one of an even count)
+    k = sorted(range(len(runs)), key=lambda i: runs[i]["summary"][key])[(len(runs) - 1) // 2]
     run = runs[k]
-    s = dict(mid, server_exit_code=rc, max_num_batched_tokens=token_bucket(policy),
+    s = dict(run["summary"], server_exit_code=rc, max_num_batched_tokens=token_bucket(policy),
              server_steps=run["server_steps"],
              server_step_ms=1e3 * run["server_step_s"] / run["server_steps"]
              if run["server_steps"] else None,

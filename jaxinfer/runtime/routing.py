@@ -117,9 +117,9 @@ class PowerOfTwo(RoutingPolicy):
     self._rng = np.random.default_rng(seed)
 
   def choose(self, ids, replicas):
-    if len(replicas) == 1:
-      return 0
     n = len(replicas)
+    if n == 1:
+      return 0
     a = int(self._rng.integers(n))  # two distinct, uniformly (no permutation of all n)
     b = int(self._rng.integers(n - 1))
     b += b >= a
