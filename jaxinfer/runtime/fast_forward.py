@@ -198,6 +198,32 @@ def pending_end(engine) -> float:
   return st.end
 
 
+def pending_work(engine, t: float):
+  """(unfinished requests, outstanding tokens) as routing.load and
+  routing.outstanding_tokens would read them after fast_forward(engine, t, plan=False),
+  told from the planned rounds without running them: in a stretch every running request
+  has one token pending, and each round takes one output off each request it runs, while
+  a request ending in it leaves the engine."""
+  from jaxinfer.runtime.routing import load, outstanding_tokens
+  requests, tokens = load(engine), outstanding_tokens(engine)
+  st = engine._ff_stretch
+  if st is None or st.count != engine.steps.count or st.applied >= st.n:
+    return requests, tokens
+  a = st.applied
+  k = bisect.bisect_left(st.starts, t, lo=a)
+  if k <= a:
+    return requests, tokens
+  for n in st.left:
+    if n <= a:
+      continue  # ended in an earlier apply
+    if n <= k:  # ends: its pending token and its n - a outputs left go with it
+      requests -= 1
+      tokens -= 1 + n - a
+    else:
+      tokens -= k - a
+  return requests, tokens
+
+
 def _pages_ready(engine, st: _Stretch) -> bool:
   """Pages for every round reserved (reserve="end") or free now: no eviction or
   preemption inside the stretch."""

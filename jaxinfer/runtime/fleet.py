@@ -26,6 +26,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.runtime.fast_forward import pending_work
 from jaxinfer.runtime.request import State, Timeline
 from jaxinfer.runtime.routing import RoutingPolicy, load
 
@@ -104,7 +105,9 @@ class KVTransfer:
 class _AsOf(list):
   """Replicas as a routing policy sees them at time t: each one it reads is first brought
   up to t (the decode rounds it planned that start before t are run), so the policy sees
-  what stepping every replica round by round up to t would show."""
+  what stepping every replica round by round up to t would show. Its load and outstanding
+  tokens are told from those rounds without running them (routing.replica_load; the
+  rounds run when the replica is chosen or next wakes)."""
 
   def __init__(self, replicas, t: float):
     super().__init__(replicas)
@@ -114,6 +117,12 @@ class _AsOf(list):
     e = super().__getitem__(i)
     e.fast_forward(self.t, plan=False)
     return e
+
+  def load(self, i: int) -> int:
+    return pending_work(super().__getitem__(i), self.t)[0]
+
+  def outstanding_tokens(self, i: int) -> int:
+    return pending_work(super().__getitem__(i), self.t)[1]
 
   def __iter__(self):
     for i in range(len(self)):

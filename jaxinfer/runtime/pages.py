@@ -210,12 +210,15 @@ class PageManager:
     n0, ps, pages = s.num_tokens, self.page_size, s.pages
     if new_num_tokens < n0:
       raise ValueError(f"grow() cannot shrink ({n0} -> {new_num_tokens}); use rollback")
-    new_pages = max(pages_for(new_num_tokens, ps) - len(pages), 0)
-    tail = n0 // ps
-    cow = new_num_tokens > n0 and self._tail_shared(s)
-    if not new_pages and not cow:  # the tokens fit the pages it holds (most decode steps)
+    held = len(pages)
+    tail, partial = divmod(n0, ps)
+    # copy-on-write: writing past n0 into a partially filled tail page someone else holds
+    cow = (new_num_tokens > n0 and partial != 0 and tail < held
+           and self._refs[pages[tail]] > 1)
+    if new_num_tokens <= held * ps and not cow:  # it fits the pages held (most decodes)
       s.num_tokens = new_num_tokens
       return []
+    new_pages = max(pages_for(new_num_tokens, ps) - held, 0)
     need = new_pages + int(cow)
     from_reserve = min(need, s.reserved)
     if need - from_reserve > self.num_available:  # PageManager.shortfall
@@ -263,9 +266,12 @@ class PageManager:
     """Drop the sequence's references and its unused reservation. Pages that a launched
     step still reads are released when that step completes."""
     s = self._seqs.pop(seq_id)
-    for p in s.pages:
+    last_read, step, decref = self._last_read, s.last_read, self._decref
+    for p in s.pages:  # _drop, inlined: a finishing request drops every page it held
       if p != HOLE:
-        self._drop(s, p)
+        if step > last_read[p]:
+          last_read[p] = step
+        decref(p)
     self._reserved_total -= s.reserved
 
   def unreserve(self, seq_id) -> None:
@@ -275,12 +281,15 @@ class PageManager:
 
   # --- references held by others (the prefix cache) ------------------------------------
   def incref(self, pages: Iterable[int]) -> None:
+    refs = self._refs
     for p in pages:
-      self._incref(p)
+      assert refs[p] > 0, f"incref of unowned page {p}"
+      refs[p] += 1
 
   def decref(self, pages: Iterable[int]) -> None:
+    decref = self._decref
     for p in pages:
-      self._decref(p)
+      decref(p)
 
   def allocate_pages(self, n: int) -> Optional[List[int]]:
     """n fresh pages owned by the caller (refcount 1), e.g. the host tier's fetch target."""

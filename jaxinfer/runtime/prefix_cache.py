@@ -192,12 +192,11 @@ class PrefixCache:
     self._now += 1
     node, now = self._root(key), self._now
     taken = []  # pages the cache takes a reference on
-    for i in range(n_full):
-      t = tuple(token_ids[i * ps:(i + 1) * ps])
-      child = node.children.get(t)
+    i = 0
+    while i < n_full:  # along the nodes already there
+      child = node.children.get(tuple(token_ids[i * ps:(i + 1) * ps]))
       if child is None:
-        child = Node(t, node, node.depth + ps, created=now)
-        node.children[t] = child
+        break
       if child.page is None:
         if child.host_slot is not None:  # the request recomputed it: keep the device copy
           self._host_free.append(child.host_slot)
@@ -205,6 +204,15 @@ class PrefixCache:
         child.page = pages[i]
         taken.append(pages[i])
       child.last_access = now
+      node = child
+      i += 1
+    depth = node.depth
+    for i in range(i, n_full):  # past them every page is a new node
+      t = tuple(token_ids[i * ps:(i + 1) * ps])
+      depth += ps
+      child = Node(t, node, depth, pages[i], None, {}, 0, now, 0, now)
+      node.children[t] = child
+      taken.append(pages[i])
       node = child
     self.pm.incref(taken)
     added = len(taken)
@@ -233,8 +241,14 @@ class PrefixCache:
   def num_host_pages(self) -> int:
     return self.host_capacity - len(self._host_free)
 
-  def _device_evictable(self, n: Node) -> bool:
-    return n.on_device and n.locks == 0 and not any(c.on_device for c in n.children.values())
+  @staticmethod
+  def _device_evictable(n: Node) -> bool:
+    if n.page is None or n.locks:
+      return False
+    for c in n.children.values():
+      if c.page is not None:
+        return False
+    return True
 
   def value_per_mib(self, n: Node) -> float:
     """8.3.4: V_h = p_h (T_r - T_f) - T_m, per MiB kept. T_r: recomputing this page at its
@@ -270,43 +284,45 @@ class PrefixCache:
       heapq.heapify(heap)
       if lru:
         self._lru = heap
-    freed = 0
+    evictable, rank_of = self._device_evictable, self._rank
+    host = self.host_capacity
+    released = []  # the pages whose reference the cache drops (at the end, in one call)
     nxt = None  # a parent that became evictable and ranks before the heap's top
-    while freed < num_pages and (heap or nxt is not None):
+    while len(released) < num_pages and (heap or nxt is not None):
       if nxt is not None:  # what pushing it and popping the heap would give
         rank, _, victim = nxt
         nxt = None
       else:
         rank, _, victim = heapq.heappop(heap)
-        if not self._device_evictable(victim):
+        if not evictable(victim):
           continue
-        if lru and rank != self._rank(victim):  # touched since: back at its rank
-          heapq.heappush(heap, (self._rank(victim), id(victim), victim))
+        if lru and rank != (victim.last_access, -victim.depth):  # touched since: back at
+          heapq.heappush(heap, (rank_of(victim), id(victim), victim))  # its rank
           continue
       parent = victim.parent
       page = victim.page
-      if self.host_capacity and not self._host_free:
+      if host and not self._host_free:
         self._drop_host_leaf()
-      if self.host_capacity and self._host_free:
+      if host and self._host_free:
         slot = self._host_free.pop()
         self.pending_offloads.append((page, slot))
         victim.host_slot = slot
         self.stats.offloaded_pages += 1
       victim.page = None
-      self.pm.decref([page])
-      self.stats.evicted_pages += 1
-      if victim.host_slot is None:
+      released.append(page)
+      if victim.host_slot is None and not victim.children:
         self._remove(victim)
-      freed += 1
-      if parent is not None and parent.parent is not None and self._device_evictable(parent):
-        item = (self._rank(parent), id(parent), parent)
+      if parent.parent is not None and evictable(parent):
+        item = (rank_of(parent), id(parent), parent)
         if heap and item[:2] > heap[0][:2]:
           heapq.heappush(heap, item)
         else:  # a chain of a request's own pages goes leaf to root without the heap
           nxt = item
     if nxt is not None:
       heapq.heappush(heap, nxt)
-    return freed
+    self.pm.decref(released)
+    self.stats.evicted_pages += len(released)
+    return len(released)
 
   def _drop_host_leaf(self) -> None:
     leaves = [n for n in self._nodes() if n.host_slot is not None and n.locks == 0 and

@@ -39,8 +39,25 @@ def outstanding_tokens(engine) -> int:
   """Work a replica holds: prompt tokens not yet computed and output tokens not yet
   generated, over its running and waiting requests."""
   s = engine.scheduler
-  return sum(r.num_pending + max(r.sampling.max_tokens - len(r.output_token_ids), 0)
-             for r in list(s.running) + list(s.waiting))
+  n = 0
+  for reqs in (s.running, s.waiting):
+    for r in reqs:  # num_pending + outputs left, without the properties' calls
+      out = len(r.output_token_ids)
+      n += len(r.prompt_token_ids) + out - r.num_computed + max(r.sampling.max_tokens - out, 0)
+  return n
+
+
+def replica_load(replicas: Sequence, i: int) -> int:
+  """load() of replicas[i]; a sequence that tells it without reading the replica's state
+  (the fleet's replicas as of a time: fleet._AsOf) answers itself."""
+  own = getattr(replicas, "load", None)
+  return own(i) if own is not None else load(replicas[i])
+
+
+def replica_tokens(replicas: Sequence, i: int) -> int:
+  """outstanding_tokens() of replicas[i], as replica_load reads it."""
+  own = getattr(replicas, "outstanding_tokens", None)
+  return own(i) if own is not None else outstanding_tokens(replicas[i])
 
 
 class PrefixIndex:
@@ -106,7 +123,7 @@ class LeastLoaded(RoutingPolicy):
   name = "least_loaded"
 
   def choose(self, ids, replicas):
-    work = [outstanding_tokens(e) for e in replicas]
+    work = [replica_tokens(replicas, i) for i in range(len(replicas))]
     return min(range(len(replicas)), key=lambda i: (work[i], i))
 
 
@@ -123,7 +140,7 @@ class PowerOfTwo(RoutingPolicy):
     a = int(self._rng.integers(n))  # two distinct, uniformly (no permutation of all n)
     b = int(self._rng.integers(n - 1))
     b += b >= a
-    return min((a, b), key=lambda i: (outstanding_tokens(replicas[i]), i))
+    return min((a, b), key=lambda i: (replica_tokens(replicas, i), i))
 
 
 class PrefixAffinity(RoutingPolicy):
@@ -141,7 +158,7 @@ class PrefixAffinity(RoutingPolicy):
 
   def choose(self, ids, replicas):
     n = len(replicas)
-    loads = [load(e) for e in replicas]
+    loads = [replica_load(replicas, i) for i in range(n)]
     least = min(range(n), key=lambda i: (loads[i], i))
     if max(loads) - min(loads) > self.balance_threshold:
       return least

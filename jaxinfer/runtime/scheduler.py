@@ -515,7 +515,9 @@ class Scheduler:
     (after which the request holds no whole prefix): later requests sharing the prompt hit
     them, and the cache gives them up under memory pressure like any other."""
     w = self._narrowest_window
-    if self.cache is not None and w and r.num_computed - w + 1 >= self.pm.page_size:
+    if not w:
+      return  # no layer has a window: nothing to release
+    if self.cache is not None and r.num_computed - w + 1 >= self.pm.page_size:
       pages = self.pm.cacheable_pages(r.request_id)
       if pages is not None:
         self.cache.insert(self._cache_key(r), r.all_token_ids[:r.num_computed], pages)

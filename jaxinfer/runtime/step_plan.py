@@ -17,6 +17,15 @@ class ScheduledSeq:
   start: int  # first new token's position (= tokens already computed)
   num_tokens: int  # new known tokens this step
   draft: List[int] = dataclasses.field(default_factory=list)  # drafts verified after them
+  # logits rows the step samples for it: 1 + drafts when its tokens reach the request's
+  # last known one, else 0 (a prefill chunk short of it); fixed when it is scheduled
+  num_logits: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    r = self.request
+    end = self.start + self.num_tokens
+    self.num_logits = ((1 + len(self.draft))
+                       if end == len(r.prompt_token_ids) + len(r.output_token_ids) else 0)
 
   @property
   def token_ids(self) -> List[int]:
@@ -25,15 +34,6 @@ class ScheduledSeq:
   @property
   def num_step_tokens(self) -> int:
     return self.num_tokens + len(self.draft)
-
-  @property
-  def samples(self) -> bool:
-    r = self.request
-    return self.start + self.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids)
-
-  @property
-  def num_logits(self) -> int:
-    return (1 + len(self.draft)) if self.samples else 0
 
   @property
   def is_prefill(self) -> bool:
