@@ -25,7 +25,7 @@ import bisect
 import math
 
 from jaxinfer.runtime.records import trim_requests
-from jaxinfer.runtime.step_plan import ScheduledSeq, StepPlan
+from jaxinfer.runtime.step_plan import ScheduledSeq, StepPlan, shared_prefix
 
 
 def _batch_fixed(engine) -> bool:
@@ -92,8 +92,8 @@ class _Stretch:
       a = self.cuts[j - 1] if j else 0
       b = self.cuts[j] if j < len(self.cuts) else self.n
       idx = [i for i, n in enumerate(self.left) if n > a]
-      shared, sharing = StepPlan([ScheduledSeq(self.run[i], self.contexts[i] + a, 1)
-                                  for i in idx], [], [], [], [], [], self.t0, self.pm).shared
+      shared, sharing = shared_prefix(self.pm, [(self.run[i].request_id,
+                                                 self.contexts[i] + a) for i in idx])
       seg = self._segments[j] = (b, idx, shared, sharing)
     return seg
 
@@ -130,21 +130,29 @@ class _Stretch:
     if m <= 0:
       return 0
     ex, pm = engine.executor, engine.pm
-    tok = ex.token_id
-    ending = []
+    grow = pm.grow
+    toks, zeros, times = [ex.token_id] * m, [0.0] * m, self.ends[a:k]  # of a request
+    ending, reading = [], []  # running through round k - 1 (most of them)
     for i, (r, c, n) in enumerate(zip(self.run, self.contexts, self.left)):
-      upto = min(k, n)
-      if upto <= a:
+      if n <= a:
         continue  # ended in an earlier apply
-      pm.grow(r.request_id, c + upto)
-      r.num_computed = c + upto
-      r.output_token_ids.extend([tok] * (upto - a))
-      r.logprobs.extend([0.0] * (upto - a))
-      r.token_times.extend(self.ends[a:upto])
-      if n <= k:
+      reading.append(r.request_id)
+      if n < k:  # it ends in round n - 1 of these
         ending.append((n, i))
-    pm.complete_step(pm.begin_step([r.request_id for r, n in zip(self.run, self.left)
-                                    if n > a]))
+        grow(r.request_id, c + n)
+        r.num_computed = c + n
+        r.output_token_ids.extend(toks[:n - a])
+        r.logprobs.extend(zeros[:n - a])
+        r.token_times.extend(times[:n - a])
+        continue
+      if n == k:
+        ending.append((n, i))
+      grow(r.request_id, c + k)
+      r.num_computed = c + k
+      r.output_token_ids.extend(toks)
+      r.logprobs.extend(zeros)
+      r.token_times.extend(times)
+    pm.complete_step(pm.begin_step(reading))
     _record(engine, self, a, k)
     if ending:  # in round order, and in batch order within a round, as step() ends them
       sch = engine.scheduler
@@ -248,14 +256,14 @@ def _record(engine, st: _Stretch, a: int, k: int) -> None:
     b_end, idx, _, _ = st.segment(j)
     top = max(st.contexts[i] for i in idx)
     b = len(idx)
-    for q in range(j, min(b_end, k)):
-      shape = (b, pm.pages_for(top + q + 1))
-      bk = buckets.get(shape)
-      if bk is None:
-        bk = buckets[shape] = engine.buckets.select(b, b, shape[1], 1, 0, num_logits=b)
-      if q >= k - keep:
-        kept.append((q, idx, bk))
-    j = min(b_end, k)
+    e = min(b_end, k)
+    # round q reads pages_for(top + q + 1) pages: every count from the first round's to
+    # the last's (one token more per round)
+    for p in range(pm.pages_for(top + j + 1), pm.pages_for(top + e) + 1):
+      buckets[(b, p)] = engine.buckets.select(b, b, p, 1, 0, num_logits=b)
+    for q in range(max(j, k - keep), e):
+      kept.append((q, idx, buckets[(b, pm.pages_for(top + q + 1))]))
+    j = e
   engine.executor.mark_run(buckets.values())
   for q, idx, bk in kept:
     run = [st.run[i] for i in idx]

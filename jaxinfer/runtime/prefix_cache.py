@@ -207,12 +207,12 @@ class PrefixCache:
       node = child
       i += 1
     depth = node.depth
-    for i in range(i, n_full):  # past them every page is a new node
-      t = tuple(token_ids[i * ps:(i + 1) * ps])
-      depth += ps
-      child = Node(t, node, depth, pages[i], None, {}, 0, now, 0, now)
+    rest = iter(token_ids[i * ps:n_full * ps])
+    for t, page in zip(zip(*[rest] * ps), pages[i:n_full]):  # past them: new nodes, one
+      depth += ps  # per page (the zip cuts the tokens into pages' tuples)
+      child = Node(t, node, depth, page, None, {}, 0, now, 0, now)
       node.children[t] = child
-      taken.append(pages[i])
+      taken.append(page)
       node = child
     self.pm.incref(taken)
     added = len(taken)
@@ -310,8 +310,10 @@ class PrefixCache:
         self.stats.offloaded_pages += 1
       victim.page = None
       released.append(page)
-      if victim.host_slot is None and not victim.children:
-        self._remove(victim)
+      if victim.host_slot is None and not victim.children:  # _remove, its first step here
+        del parent.children[victim.tokens]
+        if parent.page is None and not parent.children:
+          self._remove(parent)
       if parent.parent is not None and evictable(parent):
         item = (rank_of(parent), id(parent), parent)
         if heap and item[:2] > heap[0][:2]:

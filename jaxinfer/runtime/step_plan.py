@@ -60,20 +60,7 @@ class StepPlan:
     pages change."""
     if self.pages is None:
       return (0, 0)
-    groups = {}
-    for s in self.seqs:
-      pt = self.pages.first_table(s.request.request_id)
-      if pt and s.start and pt[0] != HOLE:
-        groups.setdefault(pt[0], []).append((s, pt))
-    group = max(groups.values(), key=len, default=[])
-    if len(group) < 2:
-      return (0, 0)
-    common = 0
-    for col in zip(*(pt for _, pt in group)):
-      if col[0] == HOLE or any(p != col[0] for p in col):
-        break
-      common += 1
-    return (min(common * self.pages.page_size, min(s.start for s, _ in group)), len(group))
+    return shared_prefix(self.pages, [(s.request.request_id, s.start) for s in self.seqs])
 
   @property
   def num_tokens(self) -> int:
@@ -82,3 +69,21 @@ class StepPlan:
   @property
   def empty(self) -> bool:
     return not self.seqs
+
+
+def shared_prefix(pages: PageManager, seqs) -> Tuple[int, int]:
+  """StepPlan.shared for (request id, first new token's position) pairs."""
+  groups = {}
+  for rid, start in seqs:
+    pt = pages.first_table(rid)
+    if pt and start and pt[0] != HOLE:
+      groups.setdefault(pt[0], []).append((start, pt))
+  group = max(groups.values(), key=len, default=[])
+  if len(group) < 2:
+    return (0, 0)
+  common = 0
+  for col in zip(*(pt for _, pt in group)):
+    if col[0] == HOLE or any(p != col[0] for p in col):
+      break
+    common += 1
+  return (min(common * pages.page_size, min(start for start, _ in group)), len(group))
