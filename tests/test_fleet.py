@@ -133,6 +133,43 @@ def test_engine_fast_forward_equals_stepping(reserve):
   assert [fields(s) for s in ea.steps] == [fields(s) for s in eb.steps]
 
 
+def test_router_reads_planned_rounds_without_running_them():
+  """What the fleet's router reads of a replica at time t (its unfinished requests and
+  outstanding tokens) is told from the decode rounds it planned, without running them:
+  equal to what running those rounds shows, at times inside a stretch where requests end
+  (nothing waits) and past its end."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.costmodel import RooflineStepModel
+  from jaxinfer.executors.sim_executor import SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.fast_forward import pending_work
+  from jaxinfer.runtime.routing import load, outstanding_tokens
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+  rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000")
+  e = Engine(SimExecutor(rm, num_pages=4096, page_size=16),
+             SchedulerConfig("chunked", 8, 2048, 512),
+             buckets=BucketTable.default(2048, 8, 4096), prefix_cache=True)
+  rng = np.random.default_rng(5)
+  for n in (3, 9, 9, 40, 70, 120):
+    e.add_request(rng.integers(0, 1000, int(rng.integers(20, 300))).tolist(),
+                  SamplingParams(max_tokens=n))
+  while any(not r.output_token_ids for r in e.requests.values()):
+    e.step()  # the prompts: then the batch only decodes
+  assert e.fast_forward(e.now() + 1e-9) == 1  # plans a chunk of rounds, runs the first
+  end = e.planned_until()
+  assert end > e.now()
+  checked = ended = 0
+  for t in np.linspace(e.now(), end + 0.01, 40).tolist():
+    told = pending_work(e, t)
+    before = load(e)
+    e.fast_forward(t, plan=False)
+    assert told == (load(e), outstanding_tokens(e))
+    checked += 1
+    ended += before - load(e)
+  assert checked == 40 and ended > 0
+
+
 def test_prefix_routing_keeps_sessions_warm():
   """Agent sessions over 4 simulated replicas: prefix affinity serves more prompt tokens
   from the prefix cache than round robin and gets first tokens sooner at the median."""
