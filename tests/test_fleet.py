@@ -143,7 +143,7 @@ def test_router_reads_planned_rounds_without_running_them():
   from jaxinfer.costmodel import RooflineStepModel
   from jaxinfer.executors.sim_executor import SimExecutor
   from jaxinfer.runtime.engine import Engine
-  from jaxinfer.runtime.fast_forward import pending_work
+  from jaxinfer.runtime.fleet import _AsOf
   from jaxinfer.runtime.routing import load, outstanding_tokens
   from jaxinfer.runtime.scheduler import SchedulerConfig
   rm = RooflineStepModel.for_names("qwen3-8b", "rtx-pro-6000")
@@ -161,7 +161,8 @@ def test_router_reads_planned_rounds_without_running_them():
   assert end > e.now()
   checked = ended = 0
   for t in np.linspace(e.now(), end + 0.01, 40).tolist():
-    told = pending_work(e, t)
+    view = _AsOf([e], t)  # what the fleet hands its router
+    told = (view.load(0), view.outstanding_tokens(0))
     before = load(e)
     e.fast_forward(t, plan=False)
     assert told == (load(e), outstanding_tokens(e))

@@ -130,28 +130,21 @@ class _Stretch:
     if m <= 0:
       return 0
     ex, pm = engine.executor, engine.pm
-    grow = pm.grow
-    toks, zeros, times = [ex.token_id] * m, [0.0] * m, self.ends[a:k]  # of a request
-    ending, reading = [], []  # running through round k - 1 (most of them)
+    # rounds a .. k - 1 for every request: its tokens, logprobs and times, cut where it ends
+    toks, zeros, times = [ex.token_id] * m, [0.0] * m, self.ends[a:k]
+    ending, reading = [], []
     for i, (r, c, n) in enumerate(zip(self.run, self.contexts, self.left)):
       if n <= a:
         continue  # ended in an earlier apply
       reading.append(r.request_id)
-      if n < k:  # it ends in round n - 1 of these
+      upto = min(k, n)
+      if n <= k:  # its last round is among these
         ending.append((n, i))
-        grow(r.request_id, c + n)
-        r.num_computed = c + n
-        r.output_token_ids.extend(toks[:n - a])
-        r.logprobs.extend(zeros[:n - a])
-        r.token_times.extend(times[:n - a])
-        continue
-      if n == k:
-        ending.append((n, i))
-      grow(r.request_id, c + k)
-      r.num_computed = c + k
-      r.output_token_ids.extend(toks)
-      r.logprobs.extend(zeros)
-      r.token_times.extend(times)
+      pm.grow(r.request_id, c + upto)
+      r.num_computed = c + upto
+      r.output_token_ids.extend(toks[:upto - a])
+      r.logprobs.extend(zeros[:upto - a])
+      r.token_times.extend(times[:upto - a])
     pm.complete_step(pm.begin_step(reading))
     _record(engine, self, a, k)
     if ending:  # in round order, and in batch order within a round, as step() ends them
@@ -206,30 +199,27 @@ def pending_end(engine) -> float:
   return st.end
 
 
-def pending_work(engine, t: float):
-  """(unfinished requests, outstanding tokens) as routing.load and
-  routing.outstanding_tokens would read them after fast_forward(engine, t, plan=False),
-  told from the planned rounds without running them: in a stretch every running request
-  has one token pending, and each round takes one output off each request it runs, while
-  a request ending in it leaves the engine."""
-  from jaxinfer.runtime.routing import load, outstanding_tokens
-  requests, tokens = load(engine), outstanding_tokens(engine)
+def planned_ahead(engine, t: float):
+  """(requests ended, outstanding tokens done) by the planned rounds that
+  fast_forward(engine, t, plan=False) would run, told without running them: what
+  routing.load and routing.outstanding_tokens would lose. In a stretch every running
+  request has one token pending and each round takes one output off each request it
+  runs; a request ending in it leaves the engine with its pending token."""
   st = engine._ff_stretch
   if st is None or st.count != engine.steps.count or st.applied >= st.n:
-    return requests, tokens
+    return 0, 0
   a = st.applied
   k = bisect.bisect_left(st.starts, t, lo=a)
-  if k <= a:
-    return requests, tokens
-  for n in st.left:
+  ended = done = 0
+  for n in st.left if k > a else ():
     if n <= a:
       continue  # ended in an earlier apply
     if n <= k:  # ends: its pending token and its n - a outputs left go with it
-      requests -= 1
-      tokens -= 1 + n - a
+      ended += 1
+      done += 1 + n - a
     else:
-      tokens -= k - a
-  return requests, tokens
+      done += k - a
+  return ended, done
 
 
 def _pages_ready(engine, st: _Stretch) -> bool:

@@ -26,9 +26,9 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import numpy as np
 
 from jaxinfer.config import SamplingParams
-from jaxinfer.runtime.fast_forward import pending_work
+from jaxinfer.runtime.fast_forward import planned_ahead
 from jaxinfer.runtime.request import State, Timeline
-from jaxinfer.runtime.routing import RoutingPolicy, load
+from jaxinfer.runtime.routing import RoutingPolicy, load, outstanding_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +119,12 @@ class _AsOf(list):
     return e
 
   def load(self, i: int) -> int:
-    return pending_work(super().__getitem__(i), self.t)[0]
+    e = super().__getitem__(i)
+    return load(e) - planned_ahead(e, self.t)[0]
 
   def outstanding_tokens(self, i: int) -> int:
-    return pending_work(super().__getitem__(i), self.t)[1]
+    e = super().__getitem__(i)
+    return outstanding_tokens(e) - planned_ahead(e, self.t)[1]
 
   def __iter__(self):
     for i in range(len(self)):

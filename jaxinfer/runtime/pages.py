@@ -211,10 +211,8 @@ class PageManager:
     if new_num_tokens < n0:
       raise ValueError(f"grow() cannot shrink ({n0} -> {new_num_tokens}); use rollback")
     held = len(pages)
-    tail, partial = divmod(n0, ps)
-    # copy-on-write: writing past n0 into a partially filled tail page someone else holds
-    cow = (new_num_tokens > n0 and partial != 0 and tail < held
-           and self._refs[pages[tail]] > 1)
+    tail = n0 // ps
+    cow = new_num_tokens > n0 and self._tail_shared(s)
     if new_num_tokens <= held * ps and not cow:  # it fits the pages held (most decodes)
       s.num_tokens = new_num_tokens
       return []
@@ -266,12 +264,9 @@ class PageManager:
     """Drop the sequence's references and its unused reservation. Pages that a launched
     step still reads are released when that step completes."""
     s = self._seqs.pop(seq_id)
-    last_read, step, decref = self._last_read, s.last_read, self._decref
-    for p in s.pages:  # _drop, inlined: a finishing request drops every page it held
+    for p in s.pages:
       if p != HOLE:
-        if step > last_read[p]:
-          last_read[p] = step
-        decref(p)
+        self._drop(s, p)
     self._reserved_total -= s.reserved
 
   def unreserve(self, seq_id) -> None:
@@ -281,15 +276,12 @@ class PageManager:
 
   # --- references held by others (the prefix cache) ------------------------------------
   def incref(self, pages: Iterable[int]) -> None:
-    refs = self._refs
     for p in pages:
-      assert refs[p] > 0, f"incref of unowned page {p}"
-      refs[p] += 1
+      self._incref(p)
 
   def decref(self, pages: Iterable[int]) -> None:
-    decref = self._decref
     for p in pages:
-      decref(p)
+      self._decref(p)
 
   def allocate_pages(self, n: int) -> Optional[List[int]]:
     """n fresh pages owned by the caller (refcount 1), e.g. the host tier's fetch target."""

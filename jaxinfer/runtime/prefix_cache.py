@@ -296,8 +296,8 @@ class PrefixCache:
         rank, _, victim = heapq.heappop(heap)
         if not evictable(victim):
           continue
-        if lru and rank != (victim.last_access, -victim.depth):  # touched since: back at
-          heapq.heappush(heap, (rank_of(victim), id(victim), victim))  # its rank
+        if lru and rank != rank_of(victim):  # touched since: back at its rank
+          heapq.heappush(heap, (rank_of(victim), id(victim), victim))
           continue
       parent = victim.parent
       page = victim.page
@@ -310,10 +310,8 @@ class PrefixCache:
         self.stats.offloaded_pages += 1
       victim.page = None
       released.append(page)
-      if victim.host_slot is None and not victim.children:  # _remove, its first step here
-        del parent.children[victim.tokens]
-        if parent.page is None and not parent.children:
-          self._remove(parent)
+      if victim.host_slot is None:
+        self._remove(victim)
       if parent.parent is not None and evictable(parent):
         item = (rank_of(parent), id(parent), parent)
         if heap and item[:2] > heap[0][:2]:

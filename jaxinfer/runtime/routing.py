@@ -39,12 +39,8 @@ def outstanding_tokens(engine) -> int:
   """Work a replica holds: prompt tokens not yet computed and output tokens not yet
   generated, over its running and waiting requests."""
   s = engine.scheduler
-  n = 0
-  for reqs in (s.running, s.waiting):
-    for r in reqs:  # num_pending + outputs left, without the properties' calls
-      out = len(r.output_token_ids)
-      n += len(r.prompt_token_ids) + out - r.num_computed + max(r.sampling.max_tokens - out, 0)
-  return n
+  return sum(r.num_pending + max(r.sampling.max_tokens - len(r.output_token_ids), 0)
+             for reqs in (s.running, s.waiting) for r in reqs)
 
 
 def replica_load(replicas: Sequence, i: int) -> int:

@@ -445,24 +445,20 @@ class Scheduler:
     running = {id(r) for r in self.running}  # only a request's own end removes it below
     for s in plan.seqs:
       r = s.request
-      rows = [next(it)] if s.num_logits == 1 else [next(it) for _ in range(s.num_logits)]
+      rows = [next(it) for _ in range(s.num_logits)]
       if id(r) not in running or r.state.done:
         continue  # aborted or preempted while the step ran
       if not rows:
         r.num_computed = s.start + s.num_tokens
         self._behind_window(r)
         continue
-      if not s.draft:  # one token, sampled
-        tok, lp, _, top = rows[0]
-        new = [(int(tok), lp, top)]
-      else:
-        new = []
-        for j, (tok, lp, acc, top) in enumerate(rows):
-          if j < len(s.draft) and acc:
-            new.append((s.draft[j], lp, top))
-            continue
-          new.append((int(tok), lp, top))
-          break
+      new = []
+      for j, (tok, lp, acc, top) in enumerate(rows):
+        if j < len(s.draft) and acc:
+          new.append((s.draft[j], lp, top))
+          continue
+        new.append((int(tok), lp, top))
+        break
       if s.draft:
         n_acc = len(new) - 1
         r.spec_rounds += 1
