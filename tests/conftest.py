@@ -55,14 +55,16 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
                              " --xla_backend_optimization_level=1").strip()
 
 
-# The files that take longest (seconds of test time in a two-worker run, 2026-12-03), run
-# first: `--dist loadfile` hands each worker the next file in collection order as it
-# frees up, so long files queued last would leave one worker running alone at the end.
-_LONG_FILES = ("test_server", "test_engine", "test_lora", "test_sharding", "test_llm",
-               "test_errors", "test_structured", "test_model_hf", "test_binaries",
-               "test_attention_xla", "test_engine_properties", "test_logits_processing",
-               "test_sampling", "test_pallas_attention", "test_families", "test_block_matmul",
-               "test_kv_formats", "test_gguf_loader")
+# The files that take longest (seconds of test time in a two-worker run from empty caches,
+# 2026-12-07), longest first: `--dist loadfile` hands each worker the next file in
+# collection order as it frees up, so a long file queued last would leave one worker
+# running alone at the end.
+_LONG_FILES = ("test_families", "test_llm", "test_engine", "test_sharding", "test_lora",
+               "test_server", "test_attention_xla", "test_structured", "test_errors",
+               "test_binaries", "test_block_matmul", "test_model_hf", "test_pallas_attention",
+               "test_mla", "test_engine_properties", "test_sampling", "test_logits_processing",
+               "test_accounting", "test_fleet", "test_gguf_loader", "test_bucket_plan",
+               "test_moe", "test_faults", "test_attention_reference", "test_kv_formats")
 
 
 def pytest_collection_modifyitems(session, config, items):
