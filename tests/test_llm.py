@@ -41,13 +41,16 @@ def test_batched_generate_equals_recompute(llm, smollm2, policy):
     assert o.finish_reason == "length"
 
 
-def test_warm_up_compiles_every_shape_the_engine_then_runs(llm, smollm2):
+@pytest.mark.parametrize("model", [pytest.param("smollm2", marks=pytest.mark.slow),
+                                   "tiny_smollm2"])
+def test_warm_up_compiles_every_shape_the_engine_then_runs(request, model):
   """LLM(warmup=True) compiles the default table's every shape at construction: a batch of
   prompts (prefill chunks, mixed and decode steps) then compiles nothing, and a different
   table pads differently but decodes the same greedy tokens."""
   from jaxinfer.step import num_compiled, num_compiled_steps
+  m = request.getfixturevalue(model)
   table = BucketTable.default(max_tokens=32, max_requests=4, max_pages=8)
-  warm = LLM.from_loaded(smollm2, num_pages=64, buckets=table)
+  warm = LLM.from_loaded(m, num_pages=64, buckets=table)
   shapes = len(list(table.all_buckets()))
   assert warm.warmup_s > 0 and num_compiled("forward") >= shapes
   before = num_compiled_steps()
@@ -57,7 +60,10 @@ def test_warm_up_compiles_every_shape_the_engine_then_runs(llm, smollm2):
   assert {s.bucket for s in warm.engine.steps} <= {
       (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len, b.prefill_slots)
       for b in table.all_buckets()}
-  ref = llm.generate(PROMPTS + ["Hi"], sp)
+  other = LLM.from_loaded(m, warmup=False, num_pages=64,
+                          buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
+                                              page_table_sizes=(8,)))
+  ref = other.generate(PROMPTS + ["Hi"], sp)
   assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
