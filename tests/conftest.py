@@ -55,10 +55,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
                              " --xla_backend_optimization_level=1").strip()
 
 
-# The files that take longest (seconds of test time in a two-worker run from empty caches,
-# 2026-12-07), longest first: `--dist loadfile` hands each worker the next file in
-# collection order as it frees up, so a long file queued last would leave one worker
-# running alone at the end.
+# The files that take longest, longest first: `--dist loadfile` hands each worker the next
+# file in collection order as it frees up, so a long file queued last would leave one
+# worker running alone at the end.
 _LONG_FILES = ("test_families", "test_llm", "test_engine", "test_sharding", "test_lora",
                "test_server", "test_attention_xla", "test_structured", "test_errors",
                "test_binaries", "test_block_matmul", "test_model_hf", "test_pallas_attention",

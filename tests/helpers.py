@@ -36,9 +36,9 @@ _EXECUTORS = {}  # (id(params), kv_format, pages) -> (params, cfg, executor); ne
 
 def _oracle_executor(cfg, params, num_pages, page_size, kv_format):
   """A plain-attention executor over `params`, kept for the next call with the same model
-  and pool size: building one packs the weights again (about 1 s for SmolLM2), which a
-  token-by-token recompute would pay per token. Reusing its pool is safe: a fresh prefill
-  writes every position it reads. The entry holds `params`, so its id is not reused."""
+  and pool size, so a token-by-token recompute prepares the weights once rather than per
+  token. Reusing its pool is safe: a fresh prefill writes every position it reads. The
+  entry holds `params`, so its id is not reused."""
   key = (id(params), kv_format, num_pages)
   hit = _EXECUTORS.pop(key, None)
   if hit is None or hit[0] is not params or hit[1] != cfg:

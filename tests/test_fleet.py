@@ -159,16 +159,15 @@ def test_router_reads_planned_rounds_without_running_them():
   assert e.fast_forward(e.now() + 1e-9) == 1  # plans a chunk of rounds, runs the first
   end = e.planned_until()
   assert end > e.now()
-  checked = ended = 0
+  ended = 0
   for t in np.linspace(e.now(), end + 0.01, 40).tolist():
     view = _AsOf([e], t)  # what the fleet hands its router
     told = (view.load(0), view.outstanding_tokens(0))
     before = load(e)
     e.fast_forward(t, plan=False)
     assert told == (load(e), outstanding_tokens(e))
-    checked += 1
     ended += before - load(e)
-  assert checked == 40 and ended > 0
+  assert ended > 0  # some requests ended inside the stretch
 
 
 def test_prefix_routing_keeps_sessions_warm():

@@ -6,15 +6,16 @@ from jaxinfer.buckets import BucketTable
 from jaxinfer.config import SamplingParams
 from jaxinfer.llm import LLM, RequestTooLargeError
 
+# Small enough that prompts share steps and the longest prompt runs in several.
+SMALL_TABLE = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
+
 PROMPTS = ["The capital of France is", "List three primary colors:",
            "def fibonacci(n):\n    ", "Water boils at"]
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-  return LLM.from_loaded(smollm2, warmup=False, num_pages=64,
-                         buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
-                                             page_table_sizes=(8,)))
+  return LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=SMALL_TABLE)
 
 
 LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog, " * 6  # > 32 tokens
@@ -26,8 +27,7 @@ def test_batched_generate_equals_recompute(llm, smollm2, policy):
   prompt longer than the largest step runs in steps of the budget under both."""
   assert llm.engine.config.policy == "separate"
   eng = llm if policy == "auto" else LLM.from_loaded(
-      smollm2, warmup=False, num_pages=64, policy=policy,
-      buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,)))
+      smollm2, warmup=False, num_pages=64, policy=policy, buckets=SMALL_TABLE)
   sp = SamplingParams(max_tokens=8, ignore_eos=True)
   prompts = PROMPTS[:3] + [LONG]
   assert len(smollm2.tokenizer.encode(LONG)) > 32
@@ -60,9 +60,7 @@ def test_warm_up_compiles_every_shape_the_engine_then_runs(request, model):
   assert {s.bucket for s in warm.engine.steps} <= {
       (b.num_tokens, b.num_requests, b.pages_per_request, b.max_query_len, b.prefill_slots)
       for b in table.all_buckets()}
-  other = LLM.from_loaded(m, warmup=False, num_pages=64,
-                          buckets=BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,),
-                                              page_table_sizes=(8,)))
+  other = LLM.from_loaded(m, warmup=False, num_pages=64, buckets=SMALL_TABLE)
   ref = other.generate(PROMPTS + ["Hi"], sp)
   assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
@@ -115,7 +113,7 @@ def test_weight_offload_equals_plain(smollm2, buffers):
   """8.4.3: every 3rd layer's FFN streamed from host memory, 1 or 2 prefetch buffers:
   the same greedy tokens, and the copies are counted every step."""
   from jaxinfer.costmodel.offload import OffloadConfig, ffn_set_bytes
-  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
+  table = SMALL_TABLE
   sp = SamplingParams(max_tokens=5, ignore_eos=True)
   plain = LLM.from_loaded(smollm2, warmup=False, num_pages=64,
                           buckets=table).generate(PROMPTS[:2], sp)
@@ -157,7 +155,7 @@ def test_policy_auto_is_chunked_when_served_and_explicit_policies_stay(smollm2):
   """policy="auto": separate offline, chunked once the server takes the LLM (make_app);
   an explicit policy is the user's, served as given; switching mid-job is refused."""
   from jaxinfer.serving.server import make_app
-  table = BucketTable(token_sizes=(4, 16, 32), request_sizes=(4,), page_table_sizes=(8,))
+  table = SMALL_TABLE
   auto = LLM.from_loaded(smollm2, warmup=False, num_pages=64, buckets=table)
   assert auto.engine.config.policy == "separate"
   make_app(auto, model_name="m")

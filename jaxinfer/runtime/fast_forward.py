@@ -210,8 +210,10 @@ def planned_ahead(engine, t: float):
     return 0, 0
   a = st.applied
   k = bisect.bisect_left(st.starts, t, lo=a)
+  if k <= a:
+    return 0, 0
   ended = done = 0
-  for n in st.left if k > a else ():
+  for n in st.left:
     if n <= a:
       continue  # ended in an earlier apply
     if n <= k:  # ends: its pending token and its n - a outputs left go with it

@@ -211,7 +211,6 @@ class PageManager:
     if new_num_tokens < n0:
       raise ValueError(f"grow() cannot shrink ({n0} -> {new_num_tokens}); use rollback")
     held = len(pages)
-    tail = n0 // ps
     cow = new_num_tokens > n0 and self._tail_shared(s)
     if new_num_tokens <= held * ps and not cow:  # it fits the pages held (most decodes)
       s.num_tokens = new_num_tokens
@@ -225,6 +224,7 @@ class PageManager:
     self._reserved_total -= from_reserve
     copies: List[Copy] = []
     if cow:
+      tail = n0 // ps
       old = s.pages[tail]
       new = self._take(s.pages[tail - 1] if tail > 0 else None)
       s.pages[tail] = new
