@@ -437,3 +437,37 @@ def test_slo_routing_counts_a_replicas_memory():
   assert t_tight > t_roomy + 100 * AffineStepModel().fixed_s  # ~200 rounds for a slot's pages
   assert make_policy("slo").choose(prompt, [tight, roomy]) == 1
   assert make_policy("least_loaded").choose(prompt, [tight, roomy]) == 0
+
+
+def test_slo_routing_waits_out_a_replicas_step_in_flight():
+  """A simulated replica's clock runs past an arrival by the step it started before it.
+  Two idle replicas, one still inside a long prefill step when the request arrives: the
+  predicted first token there waits for that step to end, so the SLO-aware policy routes
+  to the other replica (without the wait the two tie and the first would be chosen)."""
+  from jaxinfer.buckets import BucketTable
+  from jaxinfer.config import SamplingParams
+  from jaxinfer.executors.sim_executor import AffineStepModel, SimExecutor
+  from jaxinfer.runtime.engine import Engine
+  from jaxinfer.runtime.fleet import _AsOf
+  from jaxinfer.runtime.routing import make_policy, predicted_first_token_s
+  from jaxinfer.runtime.scheduler import SchedulerConfig
+
+  def replica(prompt_len):
+    e = Engine(SimExecutor(AffineStepModel(), num_pages=512, page_size=16),
+               SchedulerConfig("chunked", 8, 2048, 2048),
+               buckets=BucketTable.default(2048, 8, 256), step_model=AffineStepModel())
+    e.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1),
+                  arrival_time=0.0)
+    e.step()  # one prefill step, which ends the request (one token asked)
+    assert not e.has_unfinished()
+    return e
+
+  busy, free = replica(2048), replica(16)
+  t = free.now()
+  assert busy.now() > t
+  prompt = list(range(1, 65))
+  assert predicted_first_token_s(busy, len(prompt)) == predicted_first_token_s(free, len(prompt))
+  view = _AsOf([busy, free], t)
+  assert view.busy_s(0) == pytest.approx(busy.now() - t) and view.busy_s(1) == 0.0
+  assert make_policy("slo").choose(prompt, view) == 1
+  assert make_policy("slo").choose(prompt, [busy, free]) == 0  # nothing tells the wait

@@ -126,6 +126,11 @@ class _AsOf(list):
     e = super().__getitem__(i)
     return outstanding_tokens(e) - planned_ahead(e, self.t)[1]
 
+  def busy_s(self, i: int) -> float:
+    """How far replica i's clock runs past t once brought up to t: the rest of the step
+    (or decode round) it started before t, which a request arriving at t waits out."""
+    return max(self[i].now() - self.t, 0.0)
+
   def __iter__(self):
     for i in range(len(self)):
       yield self[i]

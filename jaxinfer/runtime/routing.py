@@ -13,10 +13,11 @@ data-parallel `Router` over real replicas and by the fleet simulator over simula
                  cached), unless the replicas' loads differ by more than
                  `balance_threshold` requests: then, or with no match, the least loaded.
   slo            the smallest predicted time to the request's first token on the
-                 replica: its scheduler's prefill backlog ahead of the request plus the
-                 request's own prompt, each step also carrying the running decodes, on
-                 the scheduler's step model (8.6.1); without a step model, outstanding
-                 tokens stand in for time.
+                 replica: the rest of the step it is running, then its scheduler's
+                 prefill backlog ahead of the request plus the request's own prompt,
+                 each step also carrying the running decodes, on the scheduler's step
+                 model (8.6.1); without a step model, outstanding tokens stand in for
+                 time.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def replica_tokens(replicas: Sequence, i: int) -> int:
   """outstanding_tokens() of replicas[i], as replica_load reads it."""
   own = getattr(replicas, "outstanding_tokens", None)
   return own(i) if own is not None else outstanding_tokens(replicas[i])
+
+
+def replica_busy_s(replicas: Sequence, i: int) -> float:
+  """Seconds replicas[i] is still busy with the step it runs when the request arrives,
+  where the sequence can tell (a simulated replica's clock runs past the arrival by up to
+  one step: fleet._AsOf); 0 otherwise (a real replica's step in flight is not timed)."""
+  own = getattr(replicas, "busy_s", None)
+  return own(i) if own is not None else 0.0
 
 
 class PrefixIndex:
@@ -170,13 +179,17 @@ class SloAware(RoutingPolicy):
   name = "slo"
 
   def choose(self, ids, replicas):
-    est = [predicted_first_token_s(e, len(ids)) for e in replicas]
+    # the replica's state as of the request's arrival first (its step in flight), then
+    # how long that step still runs
+    est = [predicted_first_token_s(replicas[i], len(ids)) + replica_busy_s(replicas, i)
+           for i in range(len(replicas))]
     return min(range(len(replicas)), key=lambda i: (est[i], i))
 
 
 def predicted_first_token_s(engine, prompt_tokens: int) -> float:
   """Seconds until a request of `prompt_tokens` new prompt tokens would get its first
-  token on this replica, routed now, on the scheduler's step model: (1) a slot and its
+  token on this replica, routed now, once the step it is running ends
+  (replica_busy_s), on the scheduler's step model: (1) a slot and its
   memory: when the replica runs its most requests and others wait, or (admission
   reserving each request's K/V to its end) its free pages do not hold the waiting
   requests' and this prompt's, it waits for as many running requests to finish as free
