@@ -25,7 +25,7 @@ import bisect
 import math
 
 from jaxinfer.runtime.records import trim_requests
-from jaxinfer.runtime.step_plan import ScheduledSeq, StepPlan, shared_prefix
+from jaxinfer.runtime.step_plan import shared_prefix
 
 
 def _batch_fixed(engine) -> bool:
@@ -43,7 +43,7 @@ def _batch_fixed(engine) -> bool:
   tok, detok = ex.token_id, engine.tokenizer is not None
   tok_eos = tok in engine.eos_token_ids
   shares_tail = sch.pm.shares_tail
-  for r in run:
+  for r in reversed(run):  # newest first: a request just admitted still prefills
     sp, out = r.sampling, r.output_token_ids
     if (not out or len(r.prompt_token_ids) + len(out) - r.num_computed != 1  # one pending
         or r.draft or r.grammar is not None or (sp.stop and detok)
@@ -137,14 +137,19 @@ class _Stretch:
       if n <= a:
         continue  # ended in an earlier apply
       reading.append(r.request_id)
-      upto = min(k, n)
       if n <= k:  # its last round is among these
         ending.append((n, i))
-      pm.grow(r.request_id, c + upto)
-      r.num_computed = c + upto
-      r.output_token_ids.extend(toks[:upto - a])
-      r.logprobs.extend(zeros[:upto - a])
-      r.token_times.extend(times[:upto - a])
+        pm.grow(r.request_id, c + n)
+        r.num_computed = c + n
+        r.output_token_ids.extend(toks[:n - a])
+        r.logprobs.extend(zeros[:n - a])
+        r.token_times.extend(times[:n - a])
+      else:  # every round
+        pm.grow(r.request_id, c + k)
+        r.num_computed = c + k
+        r.output_token_ids.extend(toks)
+        r.logprobs.extend(zeros)
+        r.token_times.extend(times)
     pm.complete_step(pm.begin_step(reading))
     _record(engine, self, a, k)
     if ending:  # in round order, and in batch order within a round, as step() ends them
@@ -258,9 +263,7 @@ def _record(engine, st: _Stretch, a: int, k: int) -> None:
     j = e
   engine.executor.mark_run(buckets.values())
   for q, idx, bk in kept:
-    run = [st.run[i] for i in idx]
-    plan = StepPlan([ScheduledSeq(st.run[i], st.contexts[i] + q, 1) for i in idx], [], [],
-                    [], [], [], st.starts[q], pm)
-    log.record(st.starts[q], st.ends[q], plan, bk.num_tokens - len(idx),
-               (bk.num_tokens, bk.num_requests, bk.pages_per_request, bk.max_query_len,
-                bk.prefill_slots), 0.0, [(r, 1) for r in run])
+    log.record_decode(st.starts[q], st.ends[q], [st.run[i].request_id for i in idx],
+                      bk.num_tokens - len(idx), (bk.num_tokens, bk.num_requests,
+                                                 bk.pages_per_request, bk.max_query_len,
+                                                 bk.prefill_slots))

@@ -28,6 +28,18 @@ class StepLog(list):
                      [(s.request.request_id, s.num_tokens, s.is_prefill) for s in plan.seqs],
                      draft_s, drafted, max(emitted_n - len(emitted), 0) if drafted else 0,
                      emitted_n)
+    return self._keep(rec)
+
+  def record_decode(self, start: float, end: float, request_ids, padded: int,
+                    bucket) -> StepRecord:
+    """record() of a plain decode round: one token computed and emitted for each of
+    request_ids, nothing drafted or preempted (the fast-forward's rounds), built without a
+    plan."""
+    b = len(request_ids)
+    return self._keep(StepRecord(self.count, start, end - start, b, 0, b, padded, bucket, 0,
+                                 [(rid, 1, False) for rid in request_ids], 0.0, 0, 0, b))
+
+  def _keep(self, rec: StepRecord) -> StepRecord:
     self.count += 1
     self.append(rec)
     if len(self) > self.max_records * 1.1:
