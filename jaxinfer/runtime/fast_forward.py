@@ -177,14 +177,16 @@ def fast_forward(engine, until: float = math.inf, plan: bool = True) -> int:
     st = engine._ff_stretch = None
   if st is None:
     now = engine.now()
-    if not plan or now >= until or not _batch_fixed(engine):
+    if not plan or now >= until:
       return 0
     sch = engine.scheduler
     bound = math.inf
     if sch.waiting and len(sch.running) < sch.config.max_running:
       bound = sch.next_arrival()  # a round starting at or after it may admit it
-      if bound <= now:
+      if bound <= now:  # (told before the batch's walk: the usual exit after an arrival)
         return 0
+    if not _batch_fixed(engine):
+      return 0
     st = _Stretch(engine, bound, finishes=not sch.waiting)
     if st.n <= 0 or not _pages_ready(engine, st):
       return 0
