@@ -166,8 +166,8 @@ class Scheduler:
     those alone). Budget left."""
     chunked = self.config.policy == "chunked"
     for r in sorted(self.running, key=lambda x: x.in_prefill):
-      if r not in self.running or len(plan.seqs) >= self.max_step_requests:
-        continue
+      if r.state is State.WAITING or len(plan.seqs) >= self.max_step_requests:
+        continue  # (WAITING: preempted by an earlier one's growth, no longer running)
       if prefills_only and not r.in_prefill:
         continue
       n = self._chunk(r, budget, chunked, first=not plan.seqs)
