@@ -137,16 +137,17 @@ class _Stretch:
       if n <= a:
         continue  # ended in an earlier apply
       reading.append(r.request_id)
+      upto = k
       if n <= k:  # its last round is among these
         ending.append((n, i))
-        pm.grow(r.request_id, c + n)
-        r.num_computed = c + n
-        r.output_token_ids.extend(toks[:n - a])
-        r.logprobs.extend(zeros[:n - a])
-        r.token_times.extend(times[:n - a])
-      else:  # every round
-        pm.grow(r.request_id, c + k)
-        r.num_computed = c + k
+        upto = n
+      pm.grow(r.request_id, c + upto)
+      r.num_computed = c + upto
+      if upto < k:  # it runs only the first of these rounds
+        r.output_token_ids.extend(toks[:upto - a])
+        r.logprobs.extend(zeros[:upto - a])
+        r.token_times.extend(times[:upto - a])
+      else:  # all of them (no copy of the rounds' lists)
         r.output_token_ids.extend(toks)
         r.logprobs.extend(zeros)
         r.token_times.extend(times)
